@@ -1,0 +1,222 @@
+"""The one adapter around vLLM's ``AsyncLLM``: everything tito asks of the engine goes through here.
+
+A vLLM upgrade should touch this module (and ``sampling.py``) only. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger("tito.engine")
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
+    """Engine arguments that make ``tito serve --model DIR`` work on a CPU box with no environment set up.
+
+    vLLM's defaults assume a GPU: 0.92 of memory fails on CPU ("Available memory on node 0 ... less than desired"),
+    and graph capture buys nothing there.
+    """
+    if not on_cpu():
+        return {
+            "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
+            "enforce_eager": bool(settings.enforce_eager),
+        }
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
+    chosen = {
+        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.3,
+        "enforce_eager": True if settings.enforce_eager is None else settings.enforce_eager,
+    }
+    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s",
+             os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"], chosen["enforce_eager"])
+    return chosen
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "tokenizer.model", "vocab.json"))
+
+
+def engine_args(settings: Settings) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw: dict[str, Any] = dict(
+        model=settings.model,
+        served_model_name=[settings.model_name],
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        seed=settings.seed,
+        data_parallel_size=settings.data_parallel_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        scheduling_policy=settings.scheduling_policy,
+        max_logprobs=settings.max_logprobs,
+        # tito is a token server: it never detokenizes, so it loads no tokenizer.
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        enable_lora=settings.enable_lora,
+        worker_extension_cls="app.worker_ext.TitoWorkerExtension",
+        **cpu_safe_defaults(settings),
+    )
+    if settings.max_num_seqs:
+        kw["max_num_seqs"] = settings.max_num_seqs
+    if settings.enable_lora:
+        kw["max_lora_rank"] = settings.max_lora_rank
+        kw["max_loras"] = settings.max_loras
+        kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
+    kw.update(settings.extra)
+    return AsyncEngineArgs(**kw)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the server needs to know about the served model, read once from the engine's config."""
+
+    name: str
+    path: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_logprobs: int
+    priority_scheduling: bool
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+
+
+class Engine:
+    """Thin async facade over ``AsyncLLM``."""
+
+    def __init__(self, llm: AsyncLLM, settings: Settings) -> None:
+        self.llm = llm
+        vc = llm.vllm_config
+        mc, sc, pc = vc.model_config, vc.scheduler_config, vc.parallel_config
+        lc = vc.lora_config
+        self.facts = ModelFacts(
+            name=settings.model_name,
+            path=settings.model,
+            dtype=str(mc.dtype).removeprefix("torch."),
+            max_model_len=int(mc.max_model_len),
+            vocab_size=int(mc.get_vocab_size()),
+            max_num_seqs=int(sc.max_num_seqs),
+            max_logprobs=int(mc.max_logprobs),
+            priority_scheduling=str(sc.policy) == "priority",
+            data_parallel_size=int(pc.data_parallel_size),
+            tensor_parallel_size=int(pc.tensor_parallel_size),
+            pipeline_parallel_size=int(pc.pipeline_parallel_size),
+            enable_lora=lc is not None,
+            max_loras=int(lc.max_loras) if lc else 0,
+            max_lora_rank=int(lc.max_lora_rank) if lc else 0,
+        )
+
+    @classmethod
+    def start(cls, settings: Settings) -> Engine:
+        """Build the engine (spawns EngineCore processes; ~20 s on CPU). Blocking: call from a thread."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        llm = AsyncLLM.from_engine_args(engine_args(settings))
+        eng = cls(llm, settings)
+        log.info("engine up in %.1fs: model=%s max_model_len=%d vocab=%d dp=%d", time.monotonic() - t0,
+                 eng.facts.name, eng.facts.max_model_len, eng.facts.vocab_size, eng.facts.data_parallel_size)
+        return eng
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *,
+                 cache_salt: str | None = None, lora: LoRARequest | None = None, priority: int = 0,
+                 data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        from vllm.inputs import tokens_input
+
+        return self.llm.generate(tokens_input(token_ids, cache_salt=cache_salt), params, request_id,
+                                 lora_request=lora, priority=priority, data_parallel_rank=data_parallel_rank)
+
+    async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        await self.llm.abort(request_ids, internal=internal)
+
+    async def warmup(self) -> None:
+        """One real generation, so the first client request pays no first-forward cost."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=2, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+        for rank in range(self.facts.data_parallel_size):
+            rank_arg = rank if self.facts.data_parallel_size > 1 else None
+            async for _ in self.generate([1, 2, 3], params, f"tito-warmup-{rank}", data_parallel_rank=rank_arg):
+                pass
+        log.info("engine warm-up generation took %.1fs", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.llm.is_paused())
+
+    async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                             timeout: float | None = None) -> list[Any]:
+        return list(await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.llm.reset_prefix_cache())
+
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        return bool(await self.llm.add_lora(lora))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return bool(await self.llm.remove_lora(lora_id))
+
+    async def get_weight_version(self) -> str:
+        return str(await self.llm.get_weight_version())
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.llm.update_weight_version(version)
+
+    # ------------------------------------------------------------------ health
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self.llm.dead_error
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+async def wait_or_timeout(aw: Any, timeout: float | None) -> Any:
+    """Await ``aw`` with a timeout; a timeout raises ``TimeoutError`` instead of hanging."""
+    return await asyncio.wait_for(aw, timeout)

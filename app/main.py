@@ -1,0 +1,176 @@
+"""``create_app``: the FastAPI application, its lifespan (engine start/stop) and error handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import __version__
+from app.engine import Engine
+from app.protocol import ApiError, GenerateRequest, error_body, json_response, validation_error
+from app.settings import Settings
+from app.state import AppState
+
+log = logging.getLogger("tito")
+
+
+async def _watch_engine(state: AppState, interval: float = 0.25) -> None:
+    """Notice a dead EngineCore at once (vLLM only finds out on the next request) and record when and why."""
+    while True:
+        await asyncio.sleep(interval)
+        if state.engine.errored and state.engine_failure is None:
+            state.engine_failure = {"time": time.time(), "cause": "EngineCore process died or stopped answering"}
+            log.error("engine is dead: %s", state.engine_failure["cause"])
+            return
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    engine: Engine | None = app.state.engine_override
+    owns_engine = engine is None
+    if engine is None:
+        engine = Engine.start(settings)
+    state = AppState(settings=settings, engine=engine)
+    try:
+        if settings.warmup:
+            await engine.warmup()
+        state.ready = True
+        app.state.tito = state
+        watcher = asyncio.ensure_future(_watch_engine(state))
+        log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
+        yield
+    finally:
+        state.shutting_down = True
+        state.ready = False
+        if "watcher" in locals():
+            watcher.cancel()
+        if state.inflight:
+            log.info("shutting down: %d request(s) still in flight are aborted", state.inflight)
+        if owns_engine:
+            engine.shutdown()
+            log.info("engine shut down")
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before reading them (Content-Length) or while reading (chunked)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                try:
+                    size = int(v)
+                except ValueError:
+                    size = -1
+                if size > self.limit or size < 0:
+                    msg = (f"request body of {size} bytes exceeds the limit of {self.limit} bytes."
+                           if size > 0 else "invalid Content-Length header.")
+                    await _send_error(send, 413 if size > 0 else 400, msg)
+                    return
+                await self.app(scope, receive, send)
+                return
+        seen = 0
+        limit = self.limit
+
+        async def counted() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes.")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+async def _send_error(send: Send, status: int, message: str) -> None:
+    resp = json_response(error_body(status, message), status)
+    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        parts = ["{}: {}".format(".".join(str(x) for x in e.get("loc", ())), e.get("msg", "")) for e in errors[:10]]
+        param = ".".join(str(x) for x in errors[0].get("loc", ())) if errors else None
+        n = len(errors)
+        msg = f"{n} validation error{'s' if n != 1 else ''}: " + "; ".join(parts)
+        return json_response(error_body(400, msg, type="Bad Request", param=param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        from http import HTTPStatus
+
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return json_response(error_body(exc.status_code, detail, type=HTTPStatus(exc.status_code).phrase),
+                             exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        # Never leak a stack trace to the client; it goes to the log.
+        log.exception("unhandled error")
+        return json_response(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
+    """Build the app. ``engine`` injects an already-built engine (tests); otherwise the lifespan starts one."""
+    from routers import ALL
+
+    settings = settings or Settings.build()
+    app = FastAPI(title="tito", version=__version__, lifespan=lifespan,
+                  description="Token-in/token-out inference server for RL rollouts, on vLLM.")
+    app.state.settings = settings
+    app.state.engine_override = engine
+    for r in ALL:
+        app.include_router(r)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    _add_schemas(app)
+    return app
+
+
+def _add_schemas(app: FastAPI) -> None:
+    """Put the request models that routes parse themselves (from raw bytes, for speed) into the OpenAPI schema."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (GenerateRequest,):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in js.pop("$defs", {}).items():
+                comps.setdefault(name, sub)
+            comps[model.__name__] = js
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+__all__ = ["create_app", "lifespan", "validation_error"]

@@ -1,0 +1,314 @@
+"""``POST /inference/v1/generate``: vLLM 0.32's token-in/token-out API, JSON and SSE.
+
+Hot path: the body is validated by pydantic-core straight from bytes, answers are plain dicts serialized by orjson,
+and streamed chunks are built without per-token models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+from starlette.responses import Response, StreamingResponse
+
+from app.protocol import ERROR_RESPONSES, ApiError, GenerateRequest, GenerateResponse, bad_request, validation_error
+from app.sampling import build_sampling_params, check_prompt
+from app.state import AppState, get_state
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger("tito.generate")
+router = APIRouter(tags=["generate"])
+
+_JSON = "application/json"
+_FLOOR = -9999.0
+_GENERATE_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {_JSON: {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}},
+    }
+}
+
+
+def _clamp(x: float) -> float:
+    # -inf and NaN are not JSON; vLLM sends -9999.0 for both.
+    return _FLOOR if math.isnan(x) or x < _FLOOR else x
+
+
+def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
+    # Both generations of clients: vLLM 0.32 reads token_id; renderers (Prime-RL) and vLLM <= 0.31 read
+    # "token": "token_id:<id>" with bytes null.
+    return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": _clamp(lp.logprob),
+            "rank": lp.rank or None, "bytes": None}
+
+
+def logprobs_content(token_ids: Any, top: Any, num: int) -> dict[str, Any]:
+    content = []
+    for i, tid in enumerate(token_ids):
+        step = top[i] if top is not None and i < len(top) else None
+        lp = step.get(tid) if step is not None else None
+        if step is None or lp is None:
+            content.append({"token_id": tid, "token": f"token_id:{tid}", "logprob": _FLOOR, "rank": None,
+                            "bytes": None, "top_logprobs": []})
+            continue
+        entry = _token_entry(tid, lp)
+        k = len(step) if num == -1 else max(num, 1)
+        entry["top_logprobs"] = [_token_entry(t, v) for j, (t, v) in enumerate(step.items()) if j < k]
+        content.append(entry)
+    return {"content": content}
+
+
+def prompt_logprobs_json(plp: Any) -> list[Any] | None:
+    if plp is None:
+        return None
+    out: list[Any] = []
+    for step in plp:
+        if step is None:
+            out.append(None)
+        else:
+            out.append({str(t): {"logprob": _clamp(v.logprob), "rank": v.rank, "decoded_token": None}
+                        for t, v in step.items()})
+    return out
+
+
+def _spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
+    wv = output.weight_versions
+    if wv is None:
+        return None
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
+
+
+def _choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
+    return {
+        "index": output.index,
+        "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
+        "stop_reason": output.stop_reason,
+        "token_ids": list(output.token_ids),
+        "routed_experts": None,
+        "sampling_mask": None,
+        "weight_versions": _spans(output),
+        "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)
+                     if num_logprobs is not None else None),
+    }
+
+
+def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached} if cached is not None else None,
+            "completion_tokens_details": None}
+
+
+def _dp_rank(request: Request, dp_size: int) -> int | None:
+    raw = request.headers.get("x-data-parallel-rank")
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise bad_request(f"X-data-parallel-rank must be an integer, got {raw!r}.", "X-data-parallel-rank") from None
+    if not 0 <= rank < dp_size:
+        raise bad_request(f"X-data-parallel-rank {rank} is out of range [0, {dp_size}).", "X-data-parallel-rank")
+    return rank
+
+
+def _engine_error(state: AppState, e: BaseException) -> ApiError:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(e, EngineDeadError) or state.engine.errored:
+        cause = (state.engine_failure or {}).get("cause") or str(e)
+        return ApiError(503, f"engine is dead: {cause}")
+    if isinstance(e, (ValueError, TypeError, OverflowError)):
+        return ApiError(400, str(e))
+    log.exception("generation failed")
+    return ApiError(500, f"generation failed: {type(e).__name__}")
+
+
+async def _parse(request: Request, state: AppState) -> GenerateRequest:
+    ctype = request.headers.get("content-type", "")
+    if not ctype.split(";", 1)[0].strip().lower() == _JSON:
+        raise ApiError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}.")
+    body = await request.body()
+    if len(body) > state.settings.max_body_bytes:
+        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of "
+                            f"{state.settings.max_body_bytes} bytes.")
+    try:
+        return GenerateRequest.model_validate_json(body)
+    except ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
+        raise validation_error(e) from None
+
+
+@router.post("/inference/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES,
+             openapi_extra=_GENERATE_SCHEMA, summary="Token-in/token-out generation (vLLM 0.32 wire)")
+async def generate(request: Request, state: AppState = Depends(get_state)) -> Response:
+    req = await _parse(request, state)
+    state.admit()
+    lora = state.resolve_model(req.model)
+    check_prompt(req.token_ids, state.limits)
+    params = build_sampling_params(req, state.limits)
+    dp_rank = _dp_rank(request, state.facts.data_parallel_size)
+    base_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+    request_id = f"generate-tokens-{base_id}"
+    salt = req.cache_salt or req.sampling_params.cache_salt
+    return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
+    model_name = lora.lora_name if lora is not None else state.facts.name
+    num_lp = params.logprobs
+
+    state.enter()
+    try:
+        gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=salt, lora=lora,
+                                    priority=req.priority, data_parallel_rank=dp_rank)
+    except BaseException:
+        state.leave()
+        raise
+
+    if req.stream:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        stream = _stream(state, gen, request_id, len(req.token_ids), params.n, num_lp, include_usage, continuous,
+                         req.token_ids if return_ids else None)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    try:
+        final = await _collect_or_disconnect(request, gen, request_id, state)
+    finally:
+        state.leave()
+    body = {
+        "request_id": request_id,
+        "model": model_name,
+        "created": int(time.time()),
+        "usage": _usage(len(final.prompt_token_ids or req.token_ids),
+                        sum(len(o.token_ids) for o in final.outputs), final.num_cached_tokens),
+        "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": list(final.prompt_token_ids or req.token_ids) if return_ids else None,
+        "mm_placeholders": None,
+        "metrics": None,
+        # Echo the request's params when no KV connector produced its own (the issue's contract for P/D clients).
+        "kv_transfer_params": (final.kv_transfer_params if final.kv_transfer_params is not None
+                               else req.kv_transfer_params),
+        "ec_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [_choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
+    }
+    return Response(orjson.dumps(body), media_type=_JSON)
+
+
+async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOutput], request_id: str,
+                                 state: AppState) -> RequestOutput:
+    """Run the generation while listening for the client going away; a disconnect aborts the engine request."""
+
+    async def collect() -> RequestOutput:
+        final = None
+        async for out in gen:
+            final = out
+        if final is None:
+            raise ApiError(500, "engine returned no output")
+        return final
+
+    async def disconnected() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        watch.cancel()
+        raise
+    if work in done:
+        watch.cancel()
+        try:
+            return work.result()
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to an error answer, never a hang or a bare 500
+            raise _engine_error(state, e) from None
+    # Client went away: cancelling the generator makes AsyncLLM abort the request in the engine.
+    work.cancel()
+    try:
+        await work
+    except BaseException:  # noqa: BLE001 - the client is gone; nothing to report to
+        pass
+    await state.engine.abort(request_id)
+    log.info("client disconnected; aborted %s", request_id)
+    raise ApiError(499, "client disconnected")
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, prompt_len: int, n: int,
+                  num_lp: int | None, include_usage: bool, continuous: bool,
+                  prompt_ids: list[int] | None) -> AsyncIterator[bytes]:
+    generated = [0] * n
+    cached: int | None = None
+    finished = False
+    try:
+        first = True
+        async for res in gen:
+            if first:
+                cached = res.num_cached_tokens
+                if res.prompt_token_ids is not None:
+                    prompt_len = len(res.prompt_token_ids)
+                first = False
+            for out in res.outputs:
+                i = out.index
+                generated[i] += len(out.token_ids)
+                # Terminal outputs are always sent (an abort may carry no tokens) so the client sees the reason.
+                if not out.token_ids and out.finish_reason is None:
+                    continue
+                chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
+                                         "choices": [_choice(out, num_lp, final=False)]}
+                if prompt_ids is not None:
+                    chunk["prompt_token_ids"] = prompt_ids
+                    prompt_ids = None
+                if continuous:
+                    chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
+                                      "total_tokens": prompt_len + generated[i]}
+                yield _sse(chunk)
+        if include_usage:
+            total = sum(generated)
+            usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + total,
+                                     "completion_tokens": total}
+            if cached is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
+        finished = True
+    except Exception as e:  # noqa: BLE001 - any failure becomes an error event; the status is already 200
+        finished = True
+        err = e if isinstance(e, ApiError) else _engine_error(state, e)
+        yield _sse(err.body())
+    finally:
+        state.leave()
+        if not finished:
+            # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
+            # suspended and would only abort when garbage-collected, so abort the request now.
+            _background(state.engine.abort(request_id))
+    yield b"data: [DONE]\n\n"
+
+
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)  # keep a reference until done, or the loop may drop it
+    task.add_done_callback(_tasks.discard)

@@ -1,0 +1,56 @@
+"""Shared fixtures. One tito server (real vLLM engine, tiny model, fp32) is shared by the whole session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.tiny_model import make_tiny_model
+from tests.helpers import ServerProcess, free_port, tito_cmd
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Anything that uses a server fixture runs a real engine.
+    for item in items:
+        if {"tito", "tito_url", "tiny_model", "vllm_server"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model, written fresh for the session (deterministic from its seed)."""
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tito(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    port = free_port()
+    server = ServerProcess(tito_cmd(tiny_model, port), port, tmp_path_factory.mktemp("logs") / "tito.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tito_url(tito: ServerProcess) -> str:
+    return tito.url
+
+
+@pytest.fixture
+def client(tito_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=tito_url, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path):  # noqa: ANN201 - returns tests.reference.Reference
+    from tests.reference import Reference
+
+    return Reference(tiny_model)

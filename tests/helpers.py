@@ -1,0 +1,125 @@
+"""Test helpers: run tito (or vLLM's own server) as a real subprocess on a free port, and talk to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class ServerProcess:
+    """A server subprocess in its own process group, so stopping it leaves no EngineCore orphans."""
+
+    def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                 health_path: str = "/health") -> None:
+        self.cmd = list(cmd)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.env = env or engine_env()
+        self.health_path = health_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 240.0) -> ServerProcess:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=str(ROOT), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.url + self.health_path, timeout=2.0)
+                if r.status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in the group (EngineCore, workers) goes too.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def tito_cmd(model: str | Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
+            *extra]
+
+
+def vllm_cmd(model: str | Path, port: int, *extra: str) -> list[str]:
+    # `python -m`, not the `vllm` console script: the vllm-cpu distribution breaks importlib.metadata's lookup.
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--tokens-only",
+            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.3",
+            "--port", str(port), *extra]
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """Sum the samples of ``name`` (optionally matching ``labels``) in Prometheus text."""
+    total = None
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, lbl = head.partition("{")
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in lbl for k, v in labels.items()):
+            continue
+        total = (total or 0.0) + float(value)
+    return total
