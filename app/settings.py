@@ -69,6 +69,11 @@ FLAGS: list[Flag] = [
     Flag("max_loras", int, 4, "LoRA adapters in one batch."),
     Flag("max_cpu_loras", int, None, "LoRA adapters kept in host memory (default: max_loras)."),
     Flag("warmup", _bool, True, "Run one real generation before reporting ready."),
+    # --- security
+    Flag("allowed_weight_root", str, None,
+         "Directory that weight_dir/lora_path may resolve into (repeatable; default: the model's parent and the "
+         "working directory).", repeatable=True),
+    Flag("allow_any_weight_path", _bool, False, "Let requests load weights from any path (unsafe)."),
     # --- HTTP server
     Flag("max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted (413 beyond)."),
     Flag("shutdown_timeout", float, 30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting."),
@@ -105,6 +110,8 @@ class Settings:
     max_loras: int = 4
     max_cpu_loras: int | None = None
     warmup: bool = True
+    allowed_weight_root: list[str] | None = None
+    allow_any_weight_path: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 30.0
     log_level: str = "info"

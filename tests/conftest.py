@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.tiny_model import make_tiny_model
-from tests.helpers import ServerProcess, free_port, tito_cmd
+from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,11 +29,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
+def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: str,
+               env: dict[str, str] | None = None, name: str = "tito") -> ServerProcess:
+    """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root."""
+    port = free_port()
+    cmd = tito_cmd(model, port, "--allowed-weight-root", str(tmp_path_factory.getbasetemp()), *extra)
+    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    return ServerProcess(cmd, port, log, env=engine_env(env)).start()
+
+
 @pytest.fixture(scope="session")
 def tito(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    port = free_port()
-    server = ServerProcess(tito_cmd(tiny_model, port), port, tmp_path_factory.mktemp("logs") / "tito.log")
-    server.start()
+    """The shared default server. Tests must leave it as they found it (not paused, not draining, base weights)."""
+    server = start_tito(tmp_path_factory, tiny_model)
     yield server
     server.stop()
 

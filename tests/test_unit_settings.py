@@ -1,0 +1,75 @@
+"""Fast tests (no engine): settings precedence, CLI flags, README's flag table, safe unpickling, path checks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from app.cli import build_parser
+from app.paths import resolve_allowed
+from app.protocol import ApiError
+from app.safe_pickle import UnsafePickleError, restricted_loads
+from app.settings import FLAGS, Settings
+from tests.helpers import ROOT
+
+
+def test_flag_env_default_precedence():
+    assert Settings.build(env={}).port == 8000
+    assert Settings.build(env={"TITO_PORT": "9001"}).port == 9001
+    assert Settings.build(env={"TITO_PORT": "9001"}, port=9002).port == 9002
+    assert Settings.build(env={"TITO_ENABLE_LORA": "true"}).enable_lora is True
+    ns = build_parser().parse_args(["serve", "--port", "7000", "--enable-lora"])
+    s = Settings.from_args(ns, env={"TITO_PORT": "1"})
+    assert s.port == 7000 and s.enable_lora is True
+
+
+def test_bad_env_value_is_a_clear_error():
+    with pytest.raises(SystemExit, match="TITO_PORT"):
+        Settings.build(env={"TITO_PORT": "eighty"})
+
+
+def test_every_flag_is_a_settings_field_and_documented():
+    fields = set(Settings.__dataclass_fields__)
+    readme = (ROOT / "README.md").read_text()
+    for f in FLAGS:
+        assert f.name in fields, f.name
+        assert f.cli in readme and f.env in readme, f.cli
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_flags.py"), "--check"], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+
+
+def test_restricted_unpickler_admits_metadata_and_refuses_code(tmp_path):
+    import torch
+
+    meta = {torch.bfloat16: [("model.embed_tokens.weight", torch.Size([512, 128]), 65536)],
+            torch.float32: [("model.norm.weight", torch.Size([128]), 128)]}
+    assert restricted_loads(pickle.dumps(meta)) == meta
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(UnsafePickleError, match="posix.system|os.system"):
+        restricted_loads(pickle.dumps(Evil()))
+    assert not marker.exists()
+
+
+def test_paths_outside_roots_are_refused(tmp_path):
+    root = tmp_path / "root"
+    (root / "ok").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "link").symlink_to(tmp_path / "outside")
+    s = Settings.build(env={}, allowed_weight_root=[str(root)])
+    assert resolve_allowed(s, str(root / "ok"), "weight_dir") == (root / "ok").resolve()
+    for bad in (str(root / ".." / "outside"), str(tmp_path / "outside"), str(root / "link"), "/etc"):
+        with pytest.raises(ApiError) as e:
+            resolve_allowed(s, bad, "weight_dir")
+        assert e.value.status == 403
+    anyp = Settings.build(env={}, allow_any_weight_path=True)
+    assert str(resolve_allowed(anyp, "/etc", "weight_dir")) == os.path.realpath("/etc")
