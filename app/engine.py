@@ -84,6 +84,8 @@ def engine_args(settings: Settings) -> Any:
         kw["max_lora_rank"] = settings.max_lora_rank
         kw["max_loras"] = settings.max_loras
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
+    if settings.weight_transfer_backend:
+        kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
     kw.update(settings.extra)
     return AsyncEngineArgs(**kw)
 
@@ -163,7 +165,9 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         t0 = time.monotonic()
-        params = SamplingParams(max_tokens=2, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+        # Exercise the logprob paths too: their first use costs seconds on CPU otherwise.
+        params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, prompt_logprobs=1,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         for rank in range(self.facts.data_parallel_size):
             rank_arg = rank if self.facts.data_parallel_size > 1 else None
             async for _ in self.generate([1, 2, 3], params, f"tito-warmup-{rank}", data_parallel_rank=rank_arg):
@@ -185,14 +189,56 @@ class Engine:
                              timeout: float | None = None) -> list[Any]:
         return list(await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self.llm.reset_prefix_cache())
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests))
 
     async def add_lora(self, lora: LoRARequest) -> bool:
         return bool(await self.llm.add_lora(lora))
 
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self.llm.remove_lora(lora_id))
+
+    # ------------------------------------------------------------------ weights (worker side: app/worker_ext.py)
+
+    async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:
+        """Load validated safetensors files into every worker, in place (vLLM's ``reload_weights``)."""
+        return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
+
+    async def init_broadcaster(self, **kw: Any) -> list[Any]:
+        """Every worker joins the trainer's weight-broadcast group (Prime-RL's NCCL protocol; gloo on CPU)."""
+        return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)
+
+    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float) -> list[Any]:
+        """Receive one broadcast of state dicts from the trainer, validate it, and load it."""
+        return await self.collective_rpc("tito_receive_broadcast", kwargs={"expected": expected, "timeout": timeout})
+
+    async def close_broadcaster(self) -> list[Any]:
+        return await self.collective_rpc("tito_close_broadcaster")
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        await self.llm.finish_weight_update(weight_version)
+
+    @property
+    def weight_transfer_backend(self) -> str | None:
+        cfg = self.llm.vllm_config.weight_transfer_config
+        return None if cfg is None else str(cfg.backend)
+
+    def world_size(self, include_dp: bool = True) -> int:
+        pc = self.llm.vllm_config.parallel_config
+        return int(pc.world_size_across_dp if include_dp else pc.world_size)
 
     async def get_weight_version(self) -> str:
         return str(await self.llm.get_weight_version())
