@@ -7,6 +7,7 @@ PORT   ?= 8000
 MODEL  ?= models/tiny-qwen3
 DTYPE  ?= float32
 PYTEST_ARGS ?=
+BENCH_ARGS  ?=
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU torch
 # (and transformers then cannot import any model class); text models need none of them.
@@ -19,6 +20,7 @@ help:
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
 	@echo "make lint    - ruff + mypy"
 	@echo "make unit    - the fast tests only (no engine)"
+	@echo "make bench   - benchmark tito vs the engine in-process vs vLLM's own server (BENCH_ARGS=...), into results/"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +32,9 @@ $(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
-	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(BIN)/pip install -q -e '.[cpu,test,dynamo]'
+	# Dynamo's frontend, for the RL discovery test: --no-deps (see the `dynamo` extra in pyproject.toml).
+	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	-$(BIN)/pip uninstall -y -q $(CUDA_ONLY)
 	touch $@
 
@@ -53,6 +57,11 @@ unit: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test $(MODEL)/config.json lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
+# nothing). Table on stdout, results/bench.json and results/bench.png.
+bench: $(VENV)/.installed-test $(MODEL)/config.json
+	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) models results .pytest_cache .mypy_cache .ruff_cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import multiprocessing
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,21 +17,36 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.engine import Engine
-from app.protocol import ApiError, GenerateRequest, error_body, json_response, validation_error
+from app.metrics import RequestMetrics
+from app.protocol import ApiError, GenerateRequest, error_body, json_response, status_phrase, validation_error
+from app.sampling import configured_limits
+from app.security import install_security
 from app.settings import Settings
 from app.state import AppState
 
 log = logging.getLogger("tito")
 
 
-async def _watch_engine(state: AppState, interval: float = 0.25) -> None:
-    """Notice a dead EngineCore at once (vLLM only finds out on the next request) and record when and why."""
-    while True:
+async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) -> None:
+    """Notice a dead EngineCore at once (vLLM only raises on the next call), record when and why, and by default
+    exit non-zero after a short grace so a supervisor restarts the server."""
+    while not state.engine.errored:
         await asyncio.sleep(interval)
-        if state.engine.errored and state.engine_failure is None:
-            state.engine_failure = {"time": time.time(), "cause": "EngineCore process died or stopped answering"}
-            log.error("engine is dead: %s", state.engine_failure["cause"])
-            return
+    cause = state.engine_death_cause()
+    state.ready = False
+    if state.shutting_down:
+        # E.g. Ctrl-C in a terminal reaches the EngineCore too; the shutdown already under way finishes the job.
+        log.warning("engine stopped during shutdown: %s", cause)
+        return
+    log.error("engine is dead: %s", cause)
+    settings = state.settings
+    request_exit = getattr(app.state, "request_exit", None)
+    if not settings.exit_on_engine_death or request_exit is None:
+        log.error("staying up for inspection: every request gets 503 until the server is restarted")
+        return
+    log.error("exiting with code 1 in %.1fs (--exit-on-engine-death)", settings.engine_death_exit_delay)
+    await asyncio.sleep(settings.engine_death_exit_delay)
+    request_exit(1)
 
 
 @asynccontextmanager
@@ -42,21 +57,24 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     if engine is None:
         engine = Engine.start(settings)
     state = AppState(settings=settings, engine=engine)
+    # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
+    state.engine_processes = multiprocessing.active_children()
+    state.limits = configured_limits(state.limits, settings)
     try:
         if settings.warmup:
             await engine.warmup()
         state.ready = True
         app.state.tito = state
-        watcher = asyncio.ensure_future(_watch_engine(state))
+        watcher = asyncio.ensure_future(_watch_engine(app, state))
         log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
         yield
     finally:
-        state.shutting_down = True
-        state.ready = False
+        state.begin_shutdown()
         if "watcher" in locals():
             watcher.cancel()
-        if state.inflight:
-            log.info("shutting down: %d request(s) still in flight are aborted", state.inflight)
+        if state.inflight and not state.engine.errored:
+            log.info("shutting down: aborting %d request(s) still in flight", state.inflight)
+            await state.abort()
         if owns_engine:
             engine.shutdown()
             log.info("engine shut down")
@@ -95,7 +113,8 @@ class BodyLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:
-                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes.")
+                    # An HTTPException, not ApiError: FastAPI's body parsing turns any other error into a 400.
+                    raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes.")
             return msg
 
         await self.app(scope, counted, send)
@@ -123,10 +142,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        from http import HTTPStatus
-
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return json_response(error_body(exc.status_code, detail, type=HTTPStatus(exc.status_code).phrase),
+        return json_response(error_body(exc.status_code, detail, type=status_phrase(exc.status_code)),
                              exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -149,6 +166,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         app.include_router(r)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    install_security(app, settings)  # API keys: before the body is read, inside the request counter
+    app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
     _add_schemas(app)
     return app
 

@@ -6,6 +6,7 @@ Defined once here so every router records into the same objects.
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, Info
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 INFLIGHT = Gauge("tito_inflight_requests", "Generate requests in flight")
 REQUESTS = Counter("tito_requests_total", "HTTP requests by route and status", ["route", "status"])
@@ -20,3 +21,59 @@ WEIGHT_VERSION = Info("tito_weight_version", "Current weight version label")
 LORA_LOADS = Counter("tito_lora_loads_total", "LoRA adapter loads by kind and outcome", ["kind", "outcome"])
 LORA_LOAD_SECONDS = Histogram("tito_lora_load_seconds", "Seconds per successful LoRA adapter load",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+# --------------------------------------------------------------------------------------------------- request counting
+
+_REJECT_REASONS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "unprocessable",
+    429: "too_many_requests",
+}
+
+
+def reject_reason(status: int) -> str:
+    """A bounded label for a 4xx answer."""
+    return _REJECT_REASONS.get(status, "other_4xx")
+
+
+def _route_label(scope: Scope) -> str:
+    # FastAPI puts the matched route in the scope: label by its template (``/v1/models``), never by the raw path,
+    # so a client cannot blow up the label set. Unmatched paths share one label.
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
+
+
+class RequestMetrics:
+    """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
+    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
+            if 400 <= status < 500:
+                REJECTED.labels(reason=reject_reason(status)).inc()

@@ -19,9 +19,10 @@ def allowed_roots(settings: Settings) -> list[Path] | None:
         return None
     if settings.allowed_weight_root:
         return [Path(os.path.realpath(r)) for r in settings.allowed_weight_root]
-    # Default: the served model's parent directory (checkpoints usually sit beside it) and the working directory.
-    model_parent = Path(os.path.realpath(settings.model)).parent
-    return [model_parent, Path(os.path.realpath(os.getcwd()))]
+    # Default: the served model's parent directory (checkpoints usually sit beside it) and the working directory,
+    # but never the filesystem root (a model at /model or a server started in / would otherwise open everything).
+    defaults = [Path(os.path.realpath(settings.model)).parent, Path(os.path.realpath(os.getcwd()))]
+    return [r for r in defaults if r.parent != r]
 
 
 def resolve_allowed(settings: Settings, raw: str, param: str) -> Path:

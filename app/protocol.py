@@ -24,6 +24,7 @@ _ERROR_TYPES = {
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
+    499: "ClientClosedRequest",  # nginx's code: the client went away; nobody reads this answer
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
@@ -46,7 +47,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+        self.type = type or _ERROR_TYPES.get(status) or status_phrase(status)
         self.param = param
         self.headers = headers
 
@@ -55,6 +56,13 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return json_response(self.body(), self.status, self.headers)
+
+
+def status_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -7,15 +7,17 @@ resolves only torch dtypes and ``torch.Size``; everything else is refused before
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from typing import Any
 
 
 class UnsafePickleError(ValueError):
-    """The pickle named a global outside the allow-list."""
+    """The pickle named a global outside the allow-list, or is not a well-formed pickle at all."""
 
 
+@functools.cache
 def _allowed() -> dict[tuple[str, str], Any]:
     import torch
 
@@ -33,6 +35,8 @@ class _Restricted(pickle.Unpickler):
         self._allowed = _allowed()
 
     def find_class(self, module: str, name: str) -> Any:
+        # The single gate: the unpickler asks it for every GLOBAL/STACK_GLOBAL/INST/OBJ name and for copyreg's
+        # extension codes (EXT1/2/4) too, so no opcode reaches a callable that is not listed here.
         key = (module, name)
         if key in self._allowed:
             return self._allowed[key]
@@ -42,6 +46,18 @@ class _Restricted(pickle.Unpickler):
         raise UnsafePickleError("refusing persistent ids in pickle")
 
 
-def restricted_loads(data: bytes) -> Any:
-    """Unpickle ``data`` admitting only torch dtypes, ``torch.Size`` and plain containers/scalars/strings."""
-    return _Restricted(data).load()
+def restricted_loads(data: bytes, max_bytes: int = 64 * 1024 * 1024) -> Any:
+    """Unpickle ``data`` admitting only torch dtypes, ``torch.Size`` and plain containers/scalars/strings.
+
+    Every failure is an ``UnsafePickleError`` (a ``ValueError``): a forbidden global, and equally a truncated or
+    malformed stream, or allowed objects misused (``BUILD`` state on a dtype, ``torch.Size("x")``).
+    """
+    if len(data) > max_bytes:
+        raise UnsafePickleError(f"pickle of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        return _Restricted(data).load()
+    except UnsafePickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OverflowError, RecursionError, MemoryError, UnicodeDecodeError) as e:
+        raise UnsafePickleError(f"not a valid metadata pickle: {type(e).__name__}: {e}") from None

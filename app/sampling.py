@@ -6,12 +6,15 @@ EngineCore. Everything here runs before the engine sees the request, and fails w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from app.protocol import ApiError, GenerateRequest, WireSamplingParams, bad_request
+from app.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,13 @@ class Limits:
     max_logit_bias: int = 1024
     max_stop_token_ids: int = 1024
 
+
+def configured_limits(limits: Limits, settings: Settings) -> Limits:
+    """``limits`` with the request-size caps set by flags (``--max-stop-token-ids``, ``--max-logit-bias``)."""
+    return replace(limits, max_stop_token_ids=settings.max_stop_token_ids, max_logit_bias=settings.max_logit_bias)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # Keys copied as-is into SamplingParams when the client sent them.
 _PASSTHROUGH = (
@@ -114,6 +124,8 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
             raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got {len(wire.logit_bias)}.",
                               sp + "logit_bias")
         _check_ids(list(wire.logit_bias), vocab, sp + "logit_bias")
+        if not all(math.isfinite(b) for b in wire.logit_bias.values()):
+            raise bad_request("logit_bias values must be finite numbers.", sp + "logit_bias")
     if wire.min_tokens is not None and wire.min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {wire.min_tokens}.", sp + "min_tokens")
 
@@ -136,6 +148,11 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
         max_tokens = room
 
     kwargs: dict[str, Any] = {k: getattr(wire, k) for k in _PASSTHROUGH if k in given and getattr(wire, k) is not None}
+    # The engine's wire (msgspec) cannot carry integers beyond 64 bits: such a seed or top_k got a 500 from inside
+    # the engine client. Refuse them here, with vLLM's own bounds (a torch long).
+    for k, v in kwargs.items():
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+            raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", sp + k)
     kwargs["max_tokens"] = max_tokens
     kwargs["detokenize"] = False
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -155,7 +172,7 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
             raise bad_request(f"invalid repetition_detection: {e}", sp + "repetition_detection") from None
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, VLLMClientError) as e:
         raise ApiError(400, str(e), param=_param_of(e)) from None
 
 

@@ -69,14 +69,34 @@ FLAGS: list[Flag] = [
     Flag("max_loras", int, 4, "LoRA adapters in one batch."),
     Flag("max_cpu_loras", int, None, "LoRA adapters kept in host memory (default: max_loras)."),
     Flag("warmup", _bool, True, "Run one real generation before reporting ready."),
+    Flag("weight_transfer_backend", str, None,
+         "vLLM weight-transfer backend for /init_weight_transfer_engine (nccl, ipc, ...; all need a GPU)."),
     # --- security
     Flag("allowed_weight_root", str, None,
          "Directory that weight_dir/lora_path may resolve into (repeatable; default: the model's parent and the "
          "working directory).", repeatable=True),
     Flag("allow_any_weight_path", _bool, False, "Let requests load weights from any path (unsafe)."),
+    Flag("api_key", str, None, "Bearer key for the data plane (/inference/*, /v1/*); `EMPTY` means none. Prefer "
+         "the env variable (a flag shows in `ps`)."),
+    Flag("admin_api_key", str, None, "Bearer key for admin routes (pause, weights, LoRA, ...); default: the "
+         "--api-key. `EMPTY` means none."),
+    Flag("protect_metrics", _bool, False, "Require the data-plane key on /metrics too."),
+    Flag("max_stop_token_ids", int, 1024, "Most `stop_token_ids` a request may send (400 beyond)."),
+    Flag("max_logit_bias", int, 1024, "Most `logit_bias` entries a request may send (400 beyond)."),
+    # --- Dynamo RL discovery (needs the `dynamo` extra; see README "Running under Dynamo")
+    Flag("dynamo_namespace", str, None, "Register with Dynamo in this namespace (runs `tito dynamo-register` "
+         "beside the server); unset: no Dynamo."),
+    Flag("dynamo_component", str, "tito", "Dynamo component name."),
+    Flag("dynamo_admin_base_url", str, None, "URL advertised to trainers as admin_base_url (default: "
+         "http://<host>:<port>, with this machine's hostname when --host is a wildcard)."),
     # --- HTTP server
     Flag("max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted (413 beyond)."),
     Flag("shutdown_timeout", float, 30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting."),
+    Flag("liveness_timeout", float, 30.0, "Seconds /liveness waits for its round trip through the engine."),
+    Flag("exit_on_engine_death", _bool, True,
+         "Exit (code 1) when the engine dies, so a supervisor restarts the server; false stays up for inspection."),
+    Flag("engine_death_exit_delay", float, 5.0,
+         "Seconds between noticing a dead engine and exiting (clients and probes see the 503 meanwhile)."),
     Flag("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
     Flag("log_format", str, "text", "Log line format.", choices=("text", "json")),
     Flag("log_requests", _bool, False, "Log one line per request."),
@@ -110,10 +130,22 @@ class Settings:
     max_loras: int = 4
     max_cpu_loras: int | None = None
     warmup: bool = True
+    weight_transfer_backend: str | None = None
     allowed_weight_root: list[str] | None = None
     allow_any_weight_path: bool = False
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    dynamo_namespace: str | None = None
+    dynamo_component: str = "tito"
+    dynamo_admin_base_url: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 30.0
+    liveness_timeout: float = 30.0
+    exit_on_engine_death: bool = True
+    engine_death_exit_delay: float = 5.0
     log_level: str = "info"
     log_format: str = "text"
     log_requests: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,12 +11,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from app.engine import Engine, ModelFacts
+from app.metrics import DRAINING, INFLIGHT
 from app.protocol import ApiError
 from app.sampling import Limits
 from app.settings import Settings
+from app.weights import WeightManager
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from vllm.lora.request import LoRARequest
+
+GENERATE_PREFIX = "generate-tokens-"
 
 
 @dataclass
@@ -24,6 +31,10 @@ class LoraEntry:
     int_id: int
     path: str
     loaded_at: float
+    rank: int = 0
+    alpha: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    reloads: int = 0  # in-place reloads under this name (same int_id)
 
 
 @dataclass
@@ -38,7 +49,17 @@ class AppState:
     inflight: int = 0
     weight_version: str = "default"
     loras: dict[str, LoraEntry] = field(default_factory=dict)
+    # Serializes adapter loads/unloads (admin calls, one per RL step) and the id counter; ids are never reused.
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    next_lora_id: int = 1
+    # {"time": epoch seconds, "cause": str} once the engine is found dead.
     engine_failure: dict[str, Any] | None = None
+    # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
+    engine_processes: list[BaseProcess] = field(default_factory=list)
+    # Engine request id ("generate-tokens-<client id>") → how many in-flight requests carry it.
+    live: dict[str, int] = field(default_factory=dict)
+    drain_started_at: float | None = None
+    finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -46,6 +67,8 @@ class AppState:
         self.limits = Limits(vocab_size=f.vocab_size, max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
                              max_logprobs=f.max_logprobs, priority_scheduling=f.priority_scheduling)
         self._idle.set()
+        # Weight updates: one at a time, idempotent, cancellation-safe (app/weights.py).
+        self.weights = WeightManager(self)
 
     @property
     def facts(self) -> ModelFacts:
@@ -55,8 +78,25 @@ class AppState:
 
     def check_engine(self) -> None:
         if self.engine.errored:
-            cause = (self.engine_failure or {}).get("cause") or str(self.engine.dead_error)
-            raise ApiError(503, f"engine is dead: {cause}")
+            raise ApiError(503, f"engine is dead: {self.engine_death_cause()}")
+
+    def engine_death_cause(self) -> str:
+        """Record (once) and return why the engine is dead: which engine process exited and how."""
+        if self.engine_failure is None:
+            self.engine_failure = {"time": time.time(), "cause": self._describe_death()}
+        return str(self.engine_failure["cause"])
+
+    def _describe_death(self) -> str:
+        dead = []
+        for p in self.engine_processes:
+            code = p.exitcode
+            if code is None:
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            dead.append(f"{p.name} (pid {p.pid}) {how}")
+        if dead:
+            return "; ".join(dead)
+        return "the engine's output loop stopped (EngineCore unreachable)"
 
     def admit(self) -> None:
         """Gate for new generate requests: raises 503 when the server will not take new work."""
@@ -68,22 +108,92 @@ class AppState:
             raise ApiError(503, "server is draining; send the request to another replica.",
                            headers={"Retry-After": "5"})
 
-    def enter(self) -> None:
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the server does not take new work right now, or None when it does."""
+        if self.engine.errored:
+            return "engine_dead"
+        if self.shutting_down:
+            return "shutting_down"
+        if self.draining:
+            return "draining"
+        if not self.ready:
+            return "starting"
+        return None
+
+    # ------------------------------------------------------------------ in-flight requests
+
+    def enter(self, request_id: str) -> None:
         self.inflight += 1
+        self.live[request_id] = self.live.get(request_id, 0) + 1
+        INFLIGHT.inc()
         self._idle.clear()
 
-    def leave(self) -> None:
+    def leave(self, request_id: str) -> None:
         self.inflight -= 1
+        n = self.live.pop(request_id, 1) - 1
+        if n > 0:
+            self.live[request_id] = n
+        INFLIGHT.dec()
+        if self.draining or self.shutting_down:
+            self.finished_since_drain += 1
         if self.inflight == 0:
             self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; True if reached within ``timeout`` seconds."""
+        if self.inflight == 0:
+            return True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
             return True
         except TimeoutError:
             return False
+
+    def resolve_ids(self, ids: list[str]) -> list[str]:
+        """Engine ids of in-flight requests named by the client's id or by the ``generate-tokens-`` id."""
+        out: list[str] = []
+        for rid in ids:
+            for cand in (rid, GENERATE_PREFIX + rid):
+                if cand in self.live and cand not in out:
+                    out.append(cand)
+        return out
+
+    async def abort(self, ids: list[str] | None = None) -> int:
+        """Abort in-flight generate requests (all when ``ids`` is None); returns how many requests were hit.
+
+        Aborted requests still answer: partial tokens with ``finish_reason: "abort"``.
+        """
+        targets = list(self.live) if ids is None else self.resolve_ids(ids)
+        if not targets:
+            return 0
+        n = sum(self.live.get(t, 0) for t in targets)
+        if not self.engine.errored:
+            await self.engine.abort(targets)
+        return n
+
+    # ------------------------------------------------------------------ drain
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_started_at = time.time()
+            self.finished_since_drain = 0
+            DRAINING.set(1)
+
+    def stop_drain(self) -> None:
+        self.draining = False
+        self.drain_started_at = None
+        DRAINING.set(0)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new work from now on (not reversible); count what still finishes."""
+        if not self.shutting_down:
+            if not self.draining:
+                self.finished_since_drain = 0
+            self.shutting_down = True
+            self.ready = False
+            DRAINING.set(1)
 
     # ------------------------------------------------------------------ models
 

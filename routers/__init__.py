@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from routers import generate, health, info
+from routers import control, generate, health, info, lifecycle, lora, metrics, weights
 
-ALL: list[APIRouter] = [generate.router, health.router, info.router]
+ALL: list[APIRouter] = [generate.router, health.router, info.router, metrics.router, lora.router, control.router,
+                         weights.router, lifecycle.router]

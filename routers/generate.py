@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from app.protocol import ERROR_RESPONSES, ApiError, GenerateRequest, GenerateResponse, bad_request, validation_error
+from app.reqlog import set_request_id
 from app.sampling import build_sampling_params, check_prompt
 from app.state import AppState, get_state
 
@@ -121,13 +122,14 @@ def _dp_rank(request: Request, dp_size: int) -> int | None:
 
 
 def _engine_error(state: AppState, e: BaseException) -> ApiError:
+    from vllm.exceptions import VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(e, EngineDeadError) or state.engine.errored:
-        cause = (state.engine_failure or {}).get("cause") or str(e)
-        return ApiError(503, f"engine is dead: {cause}")
-    if isinstance(e, (ValueError, TypeError, OverflowError)):
-        return ApiError(400, str(e))
+        return ApiError(503, f"engine is dead: {state.engine_death_cause()}")
+    if isinstance(e, (ValueError, TypeError, OverflowError, VLLMClientError)):
+        p = getattr(e, "parameter", None)
+        return ApiError(400, str(e), param=f"sampling_params.{p}" if p else None)
     log.exception("generation failed")
     return ApiError(500, f"generation failed: {type(e).__name__}")
 
@@ -159,32 +161,33 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     dp_rank = _dp_rank(request, state.facts.data_parallel_size)
     base_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     request_id = f"generate-tokens-{base_id}"
+    set_request_id(request.scope, request_id)  # log lines about this request carry its id
     salt = req.cache_salt or req.sampling_params.cache_salt
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
     model_name = lora.lora_name if lora is not None else state.facts.name
     num_lp = params.logprobs
 
-    state.enter()
+    state.enter(request_id)
     try:
         gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=salt, lora=lora,
                                     priority=req.priority, data_parallel_rank=dp_rank)
     except BaseException:
-        state.leave()
+        state.leave(request_id)
         raise
 
     if req.stream:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        started: list[bool] = []
         stream = _stream(state, gen, request_id, len(req.token_ids), params.n, num_lp, include_usage, continuous,
-                         req.token_ids if return_ids else None)
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         req.token_ids if return_ids else None, started)
+        return _SseResponse(stream, state, request_id, started)
 
     try:
         final = await _collect_or_disconnect(request, gen, request_id, state)
     finally:
-        state.leave()
+        state.leave(request_id)
     body = {
         "request_id": request_id,
         "model": model_name,
@@ -255,9 +258,31 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+class _SseResponse(StreamingResponse):
+    """The SSE answer. If the client is gone before Starlette starts the body, the generator never runs (nor its
+    ``finally``): release the in-flight slot here, or a drain would wait for it forever."""
+
+    def __init__(self, body: AsyncIterator[bytes], state: AppState, request_id: str, started: list[bool]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._slot = (state, request_id, started)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            state, request_id, started = self._slot
+            if not started:
+                started.append(True)
+                state.leave(request_id)
+
+
 async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, prompt_len: int, n: int,
                   num_lp: int | None, include_usage: bool, continuous: bool,
-                  prompt_ids: list[int] | None) -> AsyncIterator[bytes]:
+                  prompt_ids: list[int] | None, started: list[bool]) -> AsyncIterator[bytes]:
+    if started:  # _SseResponse already gave up on this stream
+        return
+    started.append(True)
     generated = [0] * n
     cached: int | None = None
     finished = False
@@ -297,7 +322,7 @@ async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id
         err = e if isinstance(e, ApiError) else _engine_error(state, e)
         yield _sse(err.body())
     finally:
-        state.leave()
+        state.leave(request_id)
         if not finished:
             # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
             # suspended and would only abort when garbage-collected, so abort the request now.

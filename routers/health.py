@@ -1,6 +1,10 @@
-"""``GET /health``: 200 while the engine is alive, 503 once it is dead."""
+"""Probes: ``GET /health`` (engine alive?), ``GET /liveness`` (engine answering?), ``GET /ready`` (taking work?)."""
 
 from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from starlette.responses import Response
@@ -11,9 +15,47 @@ from app.state import AppState, get_state
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", summary="Engine alive?")
+def _phase(state: AppState) -> str:
+    if state.shutting_down:
+        return "shutting_down"
+    if state.draining:
+        return "draining"
+    return "serving"
+
+
+def dead_body(state: AppState) -> dict[str, Any]:
+    cause = state.engine_death_cause()
+    since = (state.engine_failure or {}).get("time", time.time())
+    return {"status": "dead", "error": f"engine is dead: {cause}", "since": since}
+
+
+@router.get("/health", summary="Engine alive? 200 while it is (also draining or paused), 503 once it is dead")
 async def health(state: AppState = Depends(get_state)) -> Response:
+    # A flag check, no engine call: Prime-RL polls this every second for up to 30 minutes at start-up.
     if state.engine.errored:
-        failure = state.engine_failure or {}
-        return json_response({"status": "dead", "error": failure.get("cause", "engine is dead")}, 503)
-    return json_response({"status": "ok", "draining": state.draining})
+        return json_response(dead_body(state), 503)
+    return json_response({"status": "ok", "state": _phase(state), "inflight": state.inflight})
+
+
+@router.get("/liveness", summary="Round trip through the engine and its workers (no-op utility call)")
+async def liveness(state: AppState = Depends(get_state)) -> Response:
+    # Catches a hung engine, which /health cannot see. Prime-RL's route, same answers.
+    if state.engine.errored:
+        return json_response({"status": "engine_unresponsive", "error": dead_body(state)["error"]}, 503)
+    timeout = state.settings.liveness_timeout
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(state.engine.collective_rpc("liveness_probe", timeout=timeout), timeout)
+    except TimeoutError:
+        return json_response({"status": "engine_unresponsive", "error": f"no answer within {timeout:g}s"}, 503)
+    except Exception as e:  # noqa: BLE001 - any failure of the round trip means "not live"
+        return json_response({"status": "engine_unresponsive", "error": f"{type(e).__name__}: {e}"}, 503)
+    return json_response({"status": "ok", "latency_ms": round((time.monotonic() - t0) * 1000, 2)})
+
+
+@router.get("/ready", summary="200 only while the engine is up and the server admits new work")
+async def ready(state: AppState = Depends(get_state)) -> Response:
+    reason = state.not_ready_reason
+    if reason is not None:
+        return json_response({"status": "not_ready", "reason": reason}, 503)
+    return json_response({"status": "ready"})

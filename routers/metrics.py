@@ -1,0 +1,42 @@
+"""``GET /metrics``: Prometheus text — the engine's own ``vllm:*`` families and tito's ``tito_*`` families.
+
+The in-process ``AsyncLLM`` (built with ``disable_log_stats=False``) registers its families on prometheus_client's
+default registry, so one ``generate_latest()`` serves both; Prime-RL's concurrency controller reads the ``vllm:``
+ones (``cache_config_info``, ``kv_cache_usage_perc``, ``num_requests_running/waiting[_by_reason]``,
+``num_preemptions``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.responses import Response
+
+from app.metrics import DRAINING, PAUSED, WEIGHT_VERSION
+from app.state import AppState
+
+log = logging.getLogger("tito.metrics")
+router = APIRouter(tags=["metrics"])
+
+
+async def refresh_state_gauges(state: AppState) -> None:
+    """Set the state gauges from the truth at scrape time, whoever changed the state and however."""
+    DRAINING.set(1 if state.draining or state.shutting_down else 0)
+    WEIGHT_VERSION.info({"version": str(state.weight_version)})
+    if state.engine.errored:
+        return
+    try:
+        PAUSED.set(1 if await state.engine.is_paused() else 0)
+    except Exception as e:  # noqa: BLE001 - a scrape must not fail because the engine is busy dying
+        log.debug("is_paused failed during scrape: %s", e)
+
+
+@router.get("/metrics", summary="Prometheus metrics (engine vllm:* and tito_*)",
+            response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(request: Request) -> Response:
+    state: AppState | None = getattr(request.app.state, "tito", None)
+    if state is not None:
+        await refresh_state_gauges(state)
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

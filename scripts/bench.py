@@ -1,0 +1,560 @@
+#!/usr/bin/env python
+"""Benchmark tito against the engine in-process and against vLLM's own ``--tokens-only`` server.
+
+Round after round, each system is started fresh on the same model and engine settings, one at a time (so they never
+share the CPU), and driven through the same workloads:
+
+    inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
+    tito       ``python -m app serve``
+    vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
+
+Workloads (closed loop: C clients each send their next request as soon as the last one answered):
+
+    64x64        64 clients, 64 new tokens each                -> tok/s
+    stream64x64  the same, streamed (SSE)                      -> tok/s
+    64x1         64 clients, 1 new token                       -> req/s
+    1x1          1 client, 1 new token                         -> p50 latency
+    mixed        32 clients, prompt 8-256 and 1-128 new tokens -> tok/s
+
+Every non-200 answer, error event, transport failure or answer shorter than ``max_tokens`` (requests use
+``ignore_eos``) counts as an error, including during the cold warm-up right after start.
+
+For HTTP systems the load generator is a separate process (aiohttp + uvloop, one connection per client) so it does
+not share the server's event loop; on a 2-core machine it still shares the CPU, which lowers every HTTP system alike.
+
+Results: a table on stdout (medians over rounds; ratios tito/inprocess and tito/vllm), ``bench-<time>.json`` and
+``bench.json`` plus ``bench.png`` (throughput and latency by workload) under ``--out``, and the resident memory (RSS)
+of each server process next to its engine processes.
+
+    python scripts/bench.py                          # 3 rounds, all systems, all workloads (make bench)
+    python scripts/bench.py --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SYSTEMS = ("inprocess", "tito", "vllm")
+MAX_MODEL_LEN = 512
+GEN_PATH = "/inference/v1/generate"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    clients: int
+    max_tokens: int  # 0 = mixed lengths
+    stream: bool
+    requests: int
+    metric: str  # the headline number: tok/s, req/s or p50
+
+    def scaled(self, quick: bool) -> Workload:
+        if not quick:
+            return self
+        c = min(self.clients, 4)
+        return Workload(self.name, c, min(self.max_tokens, 8) if self.max_tokens else 0, self.stream, c * 2,
+                        self.metric)
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("64x64", 64, 64, False, 512, "tok/s"),
+    Workload("stream64x64", 64, 64, True, 512, "tok/s"),
+    Workload("64x1", 64, 1, False, 2048, "req/s"),
+    Workload("1x1", 1, 1, False, 300, "p50"),
+    Workload("mixed", 32, 0, False, 256, "tok/s"),
+)}
+WARMUP = Workload("warmup", 4, 4, False, 8, "req/s")
+
+
+def request_spec(wl: Workload, i: int) -> tuple[list[int], int]:
+    """The prompt and max_tokens of request ``i`` of a workload: the same for every system."""
+    rng = random.Random(f"{wl.name}-{i}")
+    if wl.max_tokens:
+        plen, max_tokens = 16, wl.max_tokens
+    else:
+        plen, max_tokens = rng.choice((8, 32, 128, 256)), rng.choice((1, 8, 32, 128))
+        if wl.requests <= 16:  # --quick: keep the smoke short
+            plen, max_tokens = min(plen, 32), min(max_tokens, 8)
+    return [rng.randrange(3, 500) for _ in range(plen)], max_tokens
+
+
+def sampling(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+
+
+def summarize(wall: float, latencies: list[float], tokens: int, ok: int, errors: int,
+              samples: list[str]) -> dict[str, Any]:
+    lat = sorted(latencies)
+
+    def pct(p: float) -> float | None:
+        if not lat:
+            return None
+        return lat[min(len(lat) - 1, int(round(p / 100 * (len(lat) - 1))))] * 1000.0
+
+    return {"wall_s": wall, "requests": ok + errors, "ok": ok, "errors": errors, "tokens": tokens,
+            "tok_s": tokens / wall if wall > 0 else 0.0, "req_s": ok / wall if wall > 0 else 0.0,
+            "p50_ms": pct(50), "p99_ms": pct(99), "error_samples": samples[:5]}
+
+
+# --------------------------------------------------------------------------------------------------- HTTP load
+
+
+async def http_load(url: str, wl: Workload) -> dict[str, Any]:
+    import aiohttp
+
+    try:
+        import orjson
+
+        dumps, loads = orjson.dumps, orjson.loads
+    except ImportError:  # pragma: no cover - orjson is a tito dependency
+        dumps, loads = (lambda o: json.dumps(o).encode()), json.loads  # type: ignore[assignment]
+
+    bodies = []
+    for i in range(wl.requests):
+        prompt, mt = request_spec(wl, i)
+        body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling(mt)}
+        if wl.stream:
+            body["stream"] = True
+        bodies.append((dumps(body), mt))
+    latencies: list[float] = []
+    samples: list[str] = []
+    tokens = ok = errors = 0
+    nxt = 0
+    headers = {"Content-Type": "application/json"}
+    conn = aiohttp.TCPConnector(limit=wl.clients, keepalive_timeout=300)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one(data: bytes, want: int) -> int:
+            async with session.post(url + GEN_PATH, data=data, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                if not wl.stream:
+                    got = sum(len(c["token_ids"]) for c in loads(await r.read())["choices"])
+                else:
+                    got, done = 0, False
+                    async for raw in r.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        ev = loads(payload)
+                        if "error" in ev:
+                            raise RuntimeError(f"error event: {ev['error']}")
+                        got += sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
+                    if not done:
+                        raise RuntimeError("stream ended without [DONE]")
+                if got < want:
+                    raise RuntimeError(f"short answer: {got} of {want} tokens")
+                return got
+
+        async def client() -> None:
+            nonlocal nxt, tokens, ok, errors
+            while nxt < len(bodies):
+                data, want = bodies[nxt]
+                nxt += 1
+                t0 = time.perf_counter()
+                try:
+                    got = await one(data, want)  # not `tokens += await ...` (reads `tokens` before the await)
+                    tokens += got
+                    ok += 1
+                    latencies.append(time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - every failure is counted and sampled, never fatal
+                    errors += 1
+                    samples.append(f"{type(e).__name__}: {e}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(wl.clients)))
+        wall = time.perf_counter() - t0
+    return summarize(wall, latencies, tokens, ok, errors, samples)
+
+
+# --------------------------------------------------------------------------------------------------- in-process
+
+
+async def inprocess_load(engine: Any, wl: Workload) -> dict[str, Any]:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    kind = RequestOutputKind.DELTA if wl.stream else RequestOutputKind.FINAL_ONLY
+    latencies: list[float] = []
+    samples: list[str] = []
+    tokens = ok = errors = 0
+    nxt = 0
+
+    async def one(i: int) -> int:
+        from vllm.inputs import tokens_input
+
+        prompt, mt = request_spec(wl, i)
+        params = SamplingParams(**sampling(mt), output_kind=kind)
+        got = 0
+        async for out in engine.llm.generate(tokens_input(prompt), params, f"bench-{wl.name}-{i}-{time.time_ns()}"):
+            n = sum(len(o.token_ids) for o in out.outputs)
+            got = got + n if wl.stream else n
+        if got < mt:
+            raise RuntimeError(f"short answer: {got} of {mt} tokens")
+        return got
+
+    async def client() -> None:
+        nonlocal nxt, tokens, ok, errors
+        while nxt < wl.requests:
+            i = nxt
+            nxt += 1
+            t0 = time.perf_counter()
+            try:
+                got = await one(i)  # not `tokens += await ...`: that reads `tokens` before the await
+                tokens += got
+                ok += 1
+                latencies.append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - counted, never fatal
+                errors += 1
+                samples.append(f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(wl.clients)))
+    return summarize(time.perf_counter() - t0, latencies, tokens, ok, errors, samples)
+
+
+def inprocess_main(model: str, workloads: list[Workload]) -> dict[str, Any]:
+    """Run in the worker process: start the engine like tito does (same settings), run the workloads."""
+    from app.engine import Engine
+    from app.settings import Settings
+
+    settings = Settings(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, warmup=True)
+
+    async def run() -> dict[str, Any]:
+        engine = Engine.start(settings)
+        try:
+            await engine.warmup()  # what tito does before it reports healthy
+            results = {"warmup": await inprocess_load(engine, WARMUP)}
+            for wl in workloads:
+                results[wl.name] = await inprocess_load(engine, wl)
+            return results
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+class RssSampler:
+    """Samples the resident memory of a process and of its descendants (the engine) every 0.5 s; keeps the peak."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_main = 0
+        self.peak_main_uss = 0  # memory only this process holds (no shared libraries): its own share
+        self.peak_children = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            p = psutil.Process(self.pid)
+            main = p.memory_info().rss
+            try:
+                self.peak_main_uss = max(self.peak_main_uss, p.memory_full_info().uss)
+            except psutil.Error:
+                pass
+            kids = 0
+            for c in p.children(recursive=True):
+                try:
+                    kids += c.memory_info().rss
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            return
+        self.peak_main = max(self.peak_main, main)
+        self.peak_children = max(self.peak_children, kids)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(0.5)
+
+    def result(self) -> dict[str, float]:
+        return {"server_rss_mb": self.peak_main / 2**20, "server_uss_mb": self.peak_main_uss / 2**20,
+                "engine_rss_mb": self.peak_children / 2**20}
+
+
+def _self_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+def _worker_json(cmd: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> tuple[dict[str, Any], int]:
+    """Run a worker process to completion; its last stdout line is JSON."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT),
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise RuntimeError(f"worker timed out after {timeout:.0f}s: {' '.join(cmd[:4])}; see {log_path}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({proc.returncode}); see {log_path}")
+    return json.loads(out.decode().strip().splitlines()[-1]), proc.pid
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: float) -> dict[str, Any]:
+    from tests.helpers import engine_env
+
+    env = engine_env()
+    spec = json.dumps([asdict(w) for w in workloads])
+    log_path = logs / "inprocess.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(_self_cmd("--_inprocess", model, spec), stdout=subprocess.PIPE, stderr=log, env=env,
+                                cwd=str(ROOT), start_new_session=True)
+        with RssSampler(proc.pid) as rss:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise RuntimeError(f"in-process run timed out after {timeout:.0f}s; see {log_path}") from None
+    _kill_group(proc)  # leftovers of the group, if any
+    if proc.returncode != 0:
+        raise RuntimeError(f"in-process run failed ({proc.returncode}); see {log_path}")
+    results: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    results["memory"] = rss.result()
+    return results
+
+
+def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float) -> dict[str, Any]:
+    from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+
+    port = free_port()
+    if system == "tito":
+        cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN))
+    else:
+        cmd = vllm_cmd(model, port)
+    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
+    t0 = time.monotonic()
+    server.start(timeout=timeout)
+    results: dict[str, Any] = {"start_s": time.monotonic() - t0}
+    assert server.proc is not None
+    try:
+        with RssSampler(server.proc.pid) as rss:
+            for wl in [WARMUP, *workloads]:
+                res, _ = _worker_json(_self_cmd("--_load", server.url, json.dumps(asdict(wl))), timeout,
+                                      logs / "load.log", engine_env())
+                results[wl.name] = res
+        results["memory"] = rss.result()
+    finally:
+        server.stop()
+    return results
+
+
+def median_of(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> float | None:
+    vals = [r[system][wl][key] for r in rounds
+            if system in r and wl in r[system] and r[system][wl].get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: list[Workload]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for wl in workloads:
+        row: dict[str, Any] = {}
+        for s in systems:
+            row[s] = {k: median_of(rounds, s, wl.name, k) for k in ("tok_s", "req_s", "p50_ms", "p99_ms")}
+            row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
+        key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
+        for other in ("inprocess", "vllm"):
+            if "tito" in row and other in row and row["tito"][key] and row[other][key]:
+                ratio = row["tito"][key] / row[other][key]
+                row[f"tito/{other}"] = ratio if key != "p50_ms" else None
+                if key == "p50_ms":
+                    row[f"tito-{other}_p50_ms"] = row["tito"][key] - row[other][key]
+        summary[wl.name] = row
+    cold = {s: sum(r[s]["warmup"]["errors"] for r in rounds if s in r) for s in systems}
+    keys = ("server_rss_mb", "server_uss_mb", "engine_rss_mb")
+    memory = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
+              for s in systems if any(s in r for r in rounds)}
+    return {"workloads": summary, "cold_errors": cold, "memory": memory}
+
+
+def _fmt(v: Any, nd: int = 0) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:
+    print(f"\nmedians over {rounds} round(s); errors are totals (non-200, error event, short answer)")
+    head = f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}"
+    print(head)
+    print("-" * len(head))
+    for wl in workloads:
+        row = summary["workloads"][wl.name]
+        for s in systems:
+            m = row[s]
+            print(f"{wl.name:<12} {s:<10} {_fmt(m['tok_s']):>9} {_fmt(m['req_s'], 1):>9} {_fmt(m['p50_ms'], 2):>8} "
+                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6}")
+        ratios = []
+        for other in ("inprocess", "vllm"):
+            if row.get(f"tito/{other}") is not None:
+                ratios.append(f"tito/{other} {row[f'tito/{other}']:.2f} ({wl.metric})")
+            if row.get(f"tito-{other}_p50_ms") is not None:
+                ratios.append(f"tito-{other} p50 {row[f'tito-{other}_p50_ms']:+.2f} ms")
+        if ratios:
+            print(f"{'':<12} {'':<10} " + "; ".join(ratios))
+    print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
+    print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
+    for s, m in summary["memory"].items():
+        print(f"  {s:<10} {m['server_rss_mb']:8.0f} (USS {m['server_uss_mb']:6.0f}) / {m['engine_rss_mb']:8.0f}")
+
+
+def write_chart(path: Path, summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
+        return False
+    names = [w.name for w in workloads]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(systems), 1)
+    for k, s in enumerate(systems):
+        xs = [i + k * width for i in range(len(names))]
+        tps = [summary["workloads"][n][s]["tok_s"] or 0 for n in names]
+        p50 = [summary["workloads"][n][s]["p50_ms"] or 0 for n in names]
+        ax1.bar(xs, tps, width, label=s)
+        ax2.bar(xs, p50, width, label=s)
+    for ax, title, unit in ((ax1, "throughput", "generated tokens/s"), (ax2, "latency p50", "ms")):
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.legend()
+    ax2.set_yscale("log")
+    fig.suptitle("tito benchmark (medians over rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="Model directory (default: models/tiny-qwen3, written if missing).")
+    p.add_argument("--rounds", type=int, default=3, help="Rounds; every system starts fresh each round (default 3).")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of {','.join(SYSTEMS)}.")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"Comma-separated subset of {','.join(WORKLOADS)}.")
+    p.add_argument("--quick", action="store_true", help="A few requests per workload (smoke test, not a measurement).")
+    p.add_argument("--out", default="results", help="Folder for bench.json / bench.png (default results/).")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="Seconds a system may take to start.")
+    p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+
+    if ns._load or ns._inprocess:
+        # Workers run on uvloop, as tito's server does: the in-process engine gets the same event loop.
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+    if ns._load:  # worker: HTTP load generator in its own process
+        url, spec = ns._load
+        print(json.dumps(asyncio.run(http_load(url, Workload(**json.loads(spec))))))
+        return 0
+    if ns._inprocess:  # worker: the engine in-process
+        model, spec = ns._inprocess
+        print(json.dumps(inprocess_main(model, [Workload(**w) for w in json.loads(spec)])))
+        return 0
+
+    systems = [s for s in ns.systems.split(",") if s]
+    bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
+    if bad:
+        p.error(f"unknown system/workload: {', '.join(bad)}")
+    workloads = [WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
+    model = ns.model
+    if model is None:
+        from app.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
+    model = str(Path(model).resolve())
+    out = Path(ns.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    rounds: list[dict[str, Any]] = []
+    for r in range(ns.rounds):
+        this: dict[str, Any] = {}
+        for s in systems:
+            t0 = time.monotonic()
+            print(f"round {r + 1}/{ns.rounds}: {s} ...", file=sys.stderr, flush=True)
+            timeout = ns.start_timeout + 600.0
+            if s == "inprocess":
+                this[s] = run_inprocess(model, workloads, logs, timeout)
+            else:
+                this[s] = run_server(s, model, workloads, logs, ns.start_timeout)
+            errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
+            print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
+                  file=sys.stderr, flush=True)
+        rounds.append(this)
+
+    summary = build_summary(rounds, systems, workloads)
+    print_table(summary, systems, workloads, ns.rounds)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    meta = {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick, "systems": systems,
+            "workloads": [asdict(w) for w in workloads], "cpus": os.cpu_count(), "python": platform.python_version(),
+            "machine": platform.machine(), "max_model_len": MAX_MODEL_LEN}
+    doc = {"meta": meta, "summary": summary, "rounds": rounds}
+    text = json.dumps(doc, indent=2)
+    (out / f"bench-{stamp}.json").write_text(text)
+    (out / "bench.json").write_text(text)
+    chart = write_chart(out / "bench.png", summary, systems, workloads)
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if chart else ""))
+    total_errors = sum(v["errors"] for row in summary["workloads"].values() for k, v in row.items()
+                       if isinstance(v, dict)) + sum(summary["cold_errors"].values())
+    return 1 if total_errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

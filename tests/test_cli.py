@@ -1,0 +1,186 @@
+"""The ``tito`` CLI as a user runs it: subprocesses, output checked. Help for every command; client commands against
+real servers (read-only ones on the shared server, state-changing ones on this module's own server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.client import TitoClient
+from tests.conftest import start_tito
+from tests.helpers import ROOT, ServerProcess, free_port
+
+COMMANDS = ["serve", "make-tiny-model", "generate", "status", "drain", "undrain", "update-weights", "load-lora",
+            "unload-lora", "pause", "resume"]
+
+
+def tito(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TITO_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", name="cli-admin")
+    yield server
+    server.stop()
+
+
+# ------------------------------------------------------------------------------------------------ no server
+
+
+def test_every_command_has_help() -> None:
+    top = tito("--help")
+    assert top.returncode == 0
+    for cmd in COMMANDS:
+        assert cmd in top.stdout
+        out = tito(cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"usage: tito {cmd}")
+        # Every option carries a help text (argparse prints it under the option).
+        assert "--help" in out.stdout and len(out.stdout.splitlines()) > 4
+
+
+def test_serve_help_lists_every_flag_with_its_env_variable() -> None:
+    from app.settings import FLAGS
+
+    out = " ".join(tito("serve", "--help").stdout.split())
+    for f in FLAGS:
+        assert f"{f.cli} " in out and f"[env {f.env};" in out, f.name
+
+
+def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:
+    missing = tmp_path / "no-model-here"
+    out = tito("serve", env={"TITO_MODEL": str(missing)})
+    assert out.returncode == 2 and str(missing) in out.stderr and "make-tiny-model" in out.stderr
+    # The flag wins over the environment.
+    other = tmp_path / "flag-model"
+    out = tito("serve", "--model", str(other), env={"TITO_MODEL": str(missing)})
+    assert out.returncode == 2 and str(other) in out.stderr and str(missing) not in out.stderr
+
+
+def test_make_tiny_model(tmp_path: Path) -> None:
+    out = tito("make-tiny-model", str(tmp_path / "m"), timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"tiny model in {tmp_path / 'm'}"
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["vocab_size"] == 512 and (tmp_path / "m" / "model.safetensors").stat().st_size > 0
+
+
+def test_client_commands_report_a_dead_server_clearly() -> None:
+    out = tito("generate", "--tokens", "1,2", "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "3")
+    assert out.returncode == 1 and out.stderr.startswith("tito: POST /inference/v1/generate: no answer")
+    out = tito("generate", "--tokens", "1,x")
+    assert out.returncode == 1 and "comma-separated integers" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ shared server
+
+
+def test_generate_prints_the_tokens(tito_url: str) -> None:
+    with TitoClient(tito_url) as c:
+        want = c.generate([1, 2, 3], max_tokens=5, temperature=0, logprobs=1)
+    out = tito("generate", "--tokens", "1,2,3", "--max-tokens", "5", "--temperature", "0", "--url", tito_url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == " ".join(map(str, want.token_ids)) + "\n"
+    assert "finish_reason=length tokens=5" in out.stderr
+
+    out = tito("generate", "--tokens", "1,2,3", "--max-tokens", "5", "--temperature", "0", "--stream",
+               "--url", tito_url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == " ".join(map(str, want.token_ids)) + "\n"
+
+    out = tito("generate", "--tokens", "1, 2, 3", "--max-tokens", "5", "--temperature", "0", "--logprobs",
+               "--url", tito_url)
+    rows = [ln.split("\t") for ln in out.stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == want.token_ids
+    assert [float(r[1]) for r in rows] == pytest.approx(want.logprobs, abs=1e-5)
+
+    out = tito("generate", "--tokens", "1,2,3", "--max-tokens", "2", "--json", env={"TITO_URL": tito_url})
+    assert json.loads(out.stdout)["request_id"].startswith("generate-tokens-")
+
+
+def test_generate_shows_the_server_error(tito_url: str) -> None:
+    out = tito("generate", "--tokens", "100000", "--url", tito_url)
+    assert out.returncode == 1 and "400" in out.stderr and "100000" in out.stderr
+
+
+def test_status_summarizes_server_info(tito_url: str, tiny_model: Path) -> None:
+    out = tito("status", "--url", tito_url)
+    assert out.returncode == 0, out.stderr
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.stdout.splitlines())
+    assert fields["model"] == str(tiny_model)
+    assert fields["state"] == "serving"
+    assert fields["weight version"] == "default"
+    assert fields["in flight"] == "0"
+    assert fields["adapters"] == "none"
+    raw = json.loads(tito("status", "--json", "--url", tito_url).stdout)
+    assert raw["state"]["ready"] is True
+
+
+# ------------------------------------------------------------------------------------------------ own server
+
+
+def test_drain_and_undrain(cli_server: ServerProcess) -> None:
+    url = cli_server.url
+    try:
+        out = tito("drain", "--drain-timeout", "10", "--url", url)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("drained in ") and '"still_running": 0' in out.stdout
+        assert "draining" in out.stderr  # the progress line
+        refused = tito("generate", "--tokens", "1,2", "--max-tokens", "1", "--url", url)
+        assert refused.returncode == 1 and "503" in refused.stderr and "draining" in refused.stderr
+        assert "draining" in tito("status", "--url", url).stdout
+    finally:
+        out = tito("undrain", "--url", url)
+    assert out.returncode == 0 and out.stdout.startswith("undrain: ") and '"draining": false' in out.stdout
+    assert tito("generate", "--tokens", "1,2", "--max-tokens", "1", "--url", url).returncode == 0
+
+
+def test_update_weights_shows_progress_and_time(cli_server: ServerProcess, tiny_model: Path) -> None:
+    out = tito("update-weights", str(tiny_model), "--weight-version", "cli-v1", "--url", cli_server.url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"weights updated from {tiny_model} in ")
+    assert json.loads(out.stdout.split(": ", 1)[1])["weight_version"] == "cli-v1"
+    assert f"updating weights from {tiny_model} ..." in out.stderr
+    assert "cli-v1" in tito("status", "--url", cli_server.url).stdout
+    bad = tito("update-weights", "/etc", "--url", cli_server.url)
+    assert bad.returncode == 1 and "403" in bad.stderr
+
+
+def test_load_and_unload_lora(cli_server: ServerProcess, tmp_path: Path) -> None:
+    from tests.test_client import _write_adapter
+
+    path = _write_adapter(tmp_path / "adapter", 3)
+    out = tito("load-lora", "cli-lora", str(path), "--url", cli_server.url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"adapter cli-lora loaded from {path} in ")
+    try:
+        assert "cli-lora" in tito("status", "--url", cli_server.url).stdout
+        gen = tito("generate", "--tokens", "1,2,3", "--max-tokens", "2", "--model", "cli-lora", "--url",
+                   cli_server.url)
+        assert gen.returncode == 0 and len(gen.stdout.split()) == 2
+    finally:
+        out = tito("unload-lora", "cli-lora", "--url", cli_server.url)
+    assert out.returncode == 0 and "removed successfully" in out.stdout
+    assert "adapters        none" in tito("status", "--url", cli_server.url).stdout
+
+
+def test_pause_and_resume(cli_server: ServerProcess) -> None:
+    try:
+        out = tito("pause", "--url", cli_server.url)
+        assert out.returncode == 0 and out.stdout.startswith("paused in ") and '"paused"' in out.stdout
+        assert "paused" in tito("status", "--url", cli_server.url).stdout
+    finally:
+        out = tito("resume", "--url", cli_server.url)
+    assert out.returncode == 0 and out.stdout.startswith("resumed: ")
+    assert "serving" in tito("status", "--url", cli_server.url).stdout

@@ -1,0 +1,168 @@
+"""GET /metrics: the engine's vllm:* families Prime-RL's concurrency controller reads (present, and moving under
+load), and tito's own families (requests by route/status, rejections, in-flight, drain, pause, weight version)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import start_tito
+from tests.helpers import (
+    TIMING,
+    ServerProcess,
+    metric_value,
+)
+
+GEN = "/inference/v1/generate"
+# What orchestrator/concurrency.py needs (prime-rl-contract.md §4).
+ENGINE_FAMILIES = ["vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                   "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:num_preemptions_total"]
+
+
+@pytest.fixture(scope="module")
+def small(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
+    """Two sequences at a time, so a handful of requests keeps some waiting for capacity."""
+    server = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "2", name="tito-metrics")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def c(small) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=small.url, timeout=120.0) as cl:
+        yield cl
+
+
+def scrape(c: httpx.Client) -> str:
+    r = c.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return r.text
+
+
+def val(text: str, name: str, **labels: str) -> float:
+    v = metric_value(text, name, labels or None)
+    assert v is not None, f"{name}{labels} missing"
+    return v
+
+
+def test_engine_families_present(c):
+    text = scrape(c)
+    for fam in ENGINE_FAMILIES:
+        assert metric_value(text, fam) is not None, fam
+    assert metric_value(text, "vllm:num_requests_waiting_by_reason", {"reason": "capacity"}) is not None
+    # cache_config_info carries the KV capacity as labels (kv_cache_size_tokens, or num_gpu_blocks x block_size).
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert int(labels["kv_cache_size_tokens"]) > 0 or int(labels["num_gpu_blocks"]) * int(labels["block_size"]) > 0
+    assert "tito_inflight_requests" in text and "tito_requests_total" in text
+
+
+@TIMING
+def test_engine_and_inflight_gauges_move_under_load(c, small):
+    before = scrape(c)
+    assert val(before, "vllm:num_requests_running") == 0
+    assert val(before, "tito_inflight_requests") == 0
+    n = 6
+    body = {"token_ids": list(range(1, 101)), "sampling_params": {"max_tokens": 300, "temperature": 0,
+                                                                    "ignore_eos": True}}
+
+    def one(_: int) -> int:
+        with httpx.Client(base_url=small.url, timeout=300.0) as cl:
+            return cl.post(GEN, json=body).status_code
+
+    def sample(seen: dict[str, float]) -> None:
+        text = scrape(c)
+        for key, name, labels in (("running", "vllm:num_requests_running", {}),
+                                  ("waiting", "vllm:num_requests_waiting", {}),
+                                  ("capacity", "vllm:num_requests_waiting_by_reason", {"reason": "capacity"}),
+                                  ("kv", "vllm:kv_cache_usage_perc", {}),
+                                  ("inflight", "tito_inflight_requests", {})):
+            seen[key] = max(seen.get(key, 0.0), val(text, name, **labels))
+
+    seen: dict[str, float] = {}
+    pool = ThreadPoolExecutor(n)
+    try:
+        # Frozen until every request is admitted: all n are surely in flight at once, however fast the machine.
+        assert c.post("/pause", params={"mode": "keep"}).status_code == 200
+        futures = [pool.submit(one, i) for i in range(n)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and val(scrape(c), "tito_inflight_requests") < n:
+            time.sleep(0.02)
+        sample(seen)
+        assert seen["inflight"] == n, seen
+        # Then generation runs two at a time: the first pair needs 300 decoding steps (over half a second even on a
+        # quiet machine) while the other four wait for a slot. Sample often until that has been seen.
+        assert c.post("/resume").status_code == 200
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(f.done() for f in futures):
+            sample(seen)
+            if seen.get("running", 0) == 2 and seen.get("capacity", 0) >= 1 and seen.get("waiting", 0) >= 1 \
+                    and seen.get("kv", 0) > 0:
+                break
+            time.sleep(0.01)
+        assert [f.result(timeout=300) for f in futures] == [200] * n
+    finally:
+        c.post("/resume")
+        pool.shutdown(wait=True)
+    assert seen["running"] == 2, seen  # max_num_seqs
+    assert seen["waiting"] >= 1 and seen["capacity"] >= 1, seen  # the rest wait for a slot
+    assert seen["kv"] > 0, seen
+    assert seen["inflight"] == n, seen
+    after = scrape(c)
+    assert val(after, "vllm:num_requests_running") == 0
+    assert val(after, "vllm:num_requests_waiting") == 0
+    assert val(after, "tito_inflight_requests") == 0
+    assert val(after, "vllm:request_success_total") >= val(before, "vllm:request_success_total") + n
+    # Preemption needs the KV cache to run out, which a 1 GiB cache and a 512-token model cannot do; the counter
+    # must be there and must not have gone backwards.
+    assert val(after, "vllm:num_preemptions_total") >= val(before, "vllm:num_preemptions_total")
+
+
+def test_requests_counted_by_route_and_status_and_rejections_by_reason(c):
+    before = scrape(c)
+    assert c.get("/v1/models").status_code == 200
+    assert c.post(GEN, json={"token_ids": [100000]}).status_code == 400  # out of vocabulary
+    assert c.post(GEN, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert c.get("/no/such/route").status_code == 404
+    assert c.post(GEN, content=b"x" * 9_000_000, headers={"content-type": "application/json"}).status_code == 413
+    after = scrape(c)
+
+    def delta(name: str, **labels: str) -> float:
+        return val(after, name, **labels) - (metric_value(before, name, labels) or 0.0)
+
+    assert delta("tito_requests_total", route="/v1/models", status="200") == 1
+    assert delta("tito_requests_total", route=GEN, status="400") == 2
+    assert delta("tito_requests_total", route="unmatched", status="404") == 1
+    assert delta("tito_rejected_requests_total", reason="bad_request") == 2
+    assert delta("tito_rejected_requests_total", reason="not_found") == 1
+    assert delta("tito_rejected_requests_total", reason="body_too_large") == 1
+    # Labels are route templates, never raw paths: no label for the unknown path itself.
+    assert "/no/such/route" not in after
+
+
+def test_state_gauges_follow_pause_drain_and_weight_version(c):
+    try:
+        assert c.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert val(scrape(c), "tito_paused") == 1
+        assert c.post("/resume").status_code == 200
+        assert val(scrape(c), "tito_paused") == 0
+
+        assert c.post("/drain", json={"timeout": 1}).status_code == 200
+        assert val(scrape(c), "tito_draining") == 1
+        assert c.delete("/drain").status_code == 200
+        assert val(scrape(c), "tito_draining") == 0
+
+        r = c.post("/update_weight_version", json={"new_version": "step-7"})
+        assert r.status_code == 200, r.text
+        text = scrape(c)
+        assert val(text, "tito_weight_version_info", version="step-7") == 1
+        assert metric_value(text, "tito_weight_version_info", {"version": "default"}) is None
+    finally:
+        c.post("/resume")
+        c.delete("/drain")
