@@ -80,6 +80,8 @@ def engine_args(settings: Settings) -> Any:
     )
     if settings.max_num_seqs:
         kw["max_num_seqs"] = settings.max_num_seqs
+    if settings.num_kv_blocks:
+        kw["num_gpu_blocks_override"] = settings.num_kv_blocks
     if settings.enable_lora:
         kw["max_lora_rank"] = settings.max_lora_rank
         kw["max_loras"] = settings.max_loras

@@ -63,6 +63,9 @@ FLAGS: list[Flag] = [
     Flag("enforce_eager", _bool, None, "Disable graph capture (default: on for CPU, off for GPU)."),
     Flag("gpu_memory_utilization", float, None,
          "Fraction of device memory for vLLM (CPU: of the NUMA node's RAM; default 0.3 on CPU, 0.9 on GPU)."),
+    Flag("num_kv_blocks", int, None,
+         "Fix the number of KV cache blocks (vLLM's num_gpu_blocks_override): caps KV memory exactly; small values "
+         "make the scheduler preempt under load."),
     Flag("kv_cache_space_gib", float, 1.0, "CPU only: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE if unset)."),
     Flag("enable_lora", _bool, False, "Serve LoRA adapters."),
     Flag("max_lora_rank", int, 16, "Largest LoRA rank an adapter may have."),
@@ -124,6 +127,7 @@ class Settings:
     scheduling_policy: str = "fcfs"
     enforce_eager: bool | None = None
     gpu_memory_utilization: float | None = None
+    num_kv_blocks: int | None = None
     kv_cache_space_gib: float = 1.0
     enable_lora: bool = False
     max_lora_rank: int = 16
