@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import __version__
 from app.engine import Engine
 from app.metrics import RequestMetrics
-from app.protocol import ApiError, GenerateRequest, error_body, json_response, status_phrase, validation_error
+from app.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
 from app.sampling import configured_limits
 from app.security import install_security
 from app.settings import Settings
@@ -133,12 +133,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        parts = ["{}: {}".format(".".join(str(x) for x in e.get("loc", ())), e.get("msg", "")) for e in errors[:10]]
-        param = ".".join(str(x) for x in errors[0].get("loc", ())) if errors else None
-        n = len(errors)
-        msg = f"{n} validation error{'s' if n != 1 else ''}: " + "; ".join(parts)
-        return json_response(error_body(400, msg, type="Bad Request", param=param), 400)
+        return errors_to_api_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
@@ -192,4 +187,4 @@ def _add_schemas(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-__all__ = ["create_app", "lifespan", "validation_error"]
+__all__ = ["create_app", "lifespan"]

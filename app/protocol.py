@@ -7,6 +7,7 @@ serialized with orjson (no per-token models on the hot path).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -81,15 +82,19 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def validation_error(exc: ValidationError, prefix: str = "body") -> ApiError:
     """Pydantic errors → 400 as vLLM words them: type "Bad Request", param = the first bad location."""
-    errors = exc.errors(include_url=False, include_input=False)
-    parts = []
-    for e in errors[:10]:
-        loc = ".".join(str(x) for x in (prefix, *e["loc"]))
-        parts.append(f"{loc}: {e['msg']}")
-    first = ".".join(str(x) for x in (prefix, *errors[0]["loc"])) if errors else None
+    return errors_to_api_error(exc.errors(include_url=False, include_input=False), (prefix,))
+
+
+def errors_to_api_error(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> ApiError:
+    """Validation errors (pydantic's or FastAPI's dicts with ``loc``/``msg``) → one 400, at most 10 listed."""
+
+    def loc(e: Any) -> str:
+        return ".".join(str(x) for x in (*prefix, *e.get("loc", ())))
+
+    parts = [f"{loc(e)}: {e.get('msg', '')}" for e in errors[:10]]
     n = len(errors)
     msg = f"{n} validation error{'s' if n != 1 else ''}: " + "; ".join(parts)
-    return ApiError(400, msg, type="Bad Request", param=first)
+    return ApiError(400, msg, type="Bad Request", param=loc(errors[0]) if errors else None)
 
 
 # --------------------------------------------------------------------------------------------------- requests
