@@ -113,6 +113,21 @@ def summarize(wall: float, latencies: list[float], tokens: int, ok: int, errors:
             "p50_ms": pct(50), "p99_ms": pct(99), "error_samples": samples[:5]}
 
 
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (all its threads; not its children). Unlike throughput, this barely
+    moves when other processes share the machine, so it shows the serving process's own cost per request."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    res["cpu_ms_per_req"] = cpu_s * 1000.0 / res["ok"] if res["ok"] else None
+    return res
+
+
 # --------------------------------------------------------------------------------------------------- HTTP load
 
 
@@ -246,7 +261,8 @@ def inprocess_main(model: str, workloads: list[Workload]) -> dict[str, Any]:
             await engine.warmup()  # what tito does before it reports healthy
             results = {"warmup": await inprocess_load(engine, WARMUP)}
             for wl in workloads:
-                results[wl.name] = await inprocess_load(engine, wl)
+                c0 = process_cpu_s()
+                results[wl.name] = with_cpu(await inprocess_load(engine, wl), process_cpu_s() - c0)
             return results
         finally:
             engine.shutdown()
@@ -378,9 +394,10 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
     try:
         with RssSampler(server.proc.pid) as rss:
             for wl in [WARMUP, *workloads]:
+                c0 = process_cpu_s(server.proc.pid)
                 res, _ = _worker_json(_self_cmd("--_load", server.url, json.dumps(asdict(wl))), timeout,
                                       logs / "load.log", engine_env())
-                results[wl.name] = res
+                results[wl.name] = with_cpu(res, process_cpu_s(server.proc.pid) - c0)
         results["memory"] = rss.result()
     finally:
         server.stop()
@@ -398,7 +415,8 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
     for wl in workloads:
         row: dict[str, Any] = {}
         for s in systems:
-            row[s] = {k: median_of(rounds, s, wl.name, k) for k in ("tok_s", "req_s", "p50_ms", "p99_ms")}
+            row[s] = {k: median_of(rounds, s, wl.name, k)
+                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req")}
             row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
         key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
         for other in ("inprocess", "vllm"):
@@ -423,7 +441,9 @@ def _fmt(v: Any, nd: int = 0) -> str:
 
 def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:
     print(f"\nmedians over {rounds} round(s); errors are totals (non-200, error event, short answer)")
-    head = f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}"
+    print("cpu ms/req: CPU time of the serving process (API + engine client; not the EngineCore) per request")
+    head = (f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
+            f"{'cpu ms/req':>10}")
     print(head)
     print("-" * len(head))
     for wl in workloads:
@@ -431,7 +451,7 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
         for s in systems:
             m = row[s]
             print(f"{wl.name:<12} {s:<10} {_fmt(m['tok_s']):>9} {_fmt(m['req_s'], 1):>9} {_fmt(m['p50_ms'], 2):>8} "
-                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6}")
+                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {_fmt(m.get('cpu_ms_per_req'), 3):>10}")
         ratios = []
         for other in ("inprocess", "vllm"):
             if row.get(f"tito/{other}") is not None:

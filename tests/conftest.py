@@ -31,11 +31,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: str,
                env: dict[str, str] | None = None, name: str = "tito") -> ServerProcess:
-    """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root."""
-    port = free_port()
-    cmd = tito_cmd(model, port, "--allowed-weight-root", str(tmp_path_factory.getbasetemp()), *extra)
-    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    return ServerProcess(cmd, port, log, env=engine_env(env)).start()
+    """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root.
+
+    tito binds its port only once the engine is up (uvicorn runs the lifespan first), tens of seconds after
+    ``free_port()`` released it; meanwhile any outgoing connection on the machine may take that ephemeral port. Such
+    a start fails with "address already in use" and is retried on another port."""
+    for attempt in range(3):
+        port = free_port()
+        cmd = tito_cmd(model, port, "--allowed-weight-root", str(tmp_path_factory.getbasetemp()), *extra)
+        log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+        server = ServerProcess(cmd, port, log, env=engine_env(env))
+        try:
+            return server.start()
+        except RuntimeError:
+            server.stop()  # no EngineCore left behind
+            if attempt == 2 or "address already in use" not in server.log_text().lower():
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="session")

@@ -50,11 +50,17 @@ def async_client(url: str) -> httpx.AsyncClient:
 
 
 async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], first: asyncio.Event | None = None,
-                      headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one SSE generate request to the end: its status, tokens, last finish_reason and error events."""
+                      headers: dict[str, str] | None = None,
+                      admitted: asyncio.Event | None = None) -> dict[str, Any]:
+    """Run one SSE generate request to the end: its status, tokens, last finish_reason and error events.
+
+    ``first`` is set at the first event with tokens; ``admitted`` when the 200 status line arrives (tito counts a
+    request in flight before it answers with a stream, so this is a server-side fact, even while paused)."""
     out: dict[str, Any] = {"tokens": [], "finish": None, "errors": [], "done": False}
     async with client.stream("POST", GEN, json=body, headers=headers) as r:
         out["status"] = r.status_code
+        if admitted is not None and r.status_code == 200:
+            admitted.set()
         if r.status_code != 200:
             out["body"] = json.loads(await r.aread())
             return out

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 class Sender:
     """The trainer: ``python -m tests.weight_sender`` in its own process (rank 0, hosts the TCPStore)."""
 
-    def __init__(self, port: int, steps: list[tuple[Path, int]], mode: str = "ok", timeout: float = 60.0) -> None:
+    def __init__(self, port: int, steps: list[tuple[Path, int]], mode: str = "ok", timeout: float = 300.0) -> None:
         cmd = [sys.executable, "-m", "tests.weight_sender", "--port", str(port), "--world-size", "2",
                "--mode", mode, "--timeout", str(timeout)]
         for d, seed in steps:
@@ -32,7 +32,7 @@ class Sender:
         self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env=engine_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
-    def finish(self, timeout: float = 60.0) -> str:
+    def finish(self, timeout: float = 120.0) -> str:
         try:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -60,12 +60,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[Ser
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as c:
+    with httpx.Client(base_url=server.url, timeout=300.0) as c:
         yield c
 
 
 def init(client: httpx.Client, port: int, **kw: object) -> httpx.Response:
-    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 60,
+    # The sender is a fresh process importing torch and vLLM before it hosts the store: on a busy 2-core machine that
+    # alone can take tens of seconds, so the join gets a generous timeout.
+    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 240,
             "quantize_in_weight_transfer": False, **kw}
     return client.post("/init_broadcaster", json=body)
 
@@ -108,9 +110,9 @@ def test_broadcast_updates_match_the_sent_weights(client, root):
 def test_receive_timeout_fails_cleanly_and_model_is_untouched(client, root):
     port = free_port()
     d = root / "stall" / "step_9"
-    sender = Sender(port, [(d, 0)], mode="stall", timeout=30)
+    sender = Sender(port, [(d, 0)], mode="stall")
     try:
-        assert init(client, port, timeout=30).status_code == 200
+        assert init(client, port).status_code == 200
         before = greedy(client)
         (d / "NCCL_READY").touch()
         t0 = time.monotonic()
@@ -167,10 +169,10 @@ def test_init_broadcaster_survives_a_client_disconnect(client, root, server):
     d = root / "late" / "step_3"
     with pytest.raises(httpx.ReadTimeout):
         client.post("/init_broadcaster", json={"host": "127.0.0.1", "port": port, "inference_world_size": 1,
-                                               "timeout": 60}, timeout=1.0)
+                                               "timeout": 240}, timeout=1.0)
     sender = Sender(port, [(d, 41)])
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240
         while f"broadcaster ready: 127.0.0.1:{port}" not in server.log_text():
             assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.2)

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -210,26 +211,33 @@ def test_keys_are_required_and_sent(admin_server: ServerProcess, admin: TitoClie
 
 
 async def test_abort_ends_a_running_stream_with_finish_reason_abort(admin_server: ServerProcess) -> None:
-    # Paused in keep mode right after the first tokens, so the request is certainly still running when aborted.
+    # The engine is frozen (pause mode=keep) before the request arrives, so it is certainly still running when aborted
+    # however slow or fast the machine: the tiny model can finish 400 tokens before a client reads its first event.
     rid = f"abort-{uuid.uuid4().hex[:8]}"
     async with AsyncTitoClient(admin_server.url, api_key=DATA_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
         got: list[int] = []
         reasons: list[str] = []
-        aborted = None
-        try:
+
+        async def consume() -> None:
             async for d in c.generate_stream(PROMPT, max_tokens=400, ignore_eos=True, request_id=rid):
-                got += d.token_ids
+                got.extend(d.token_ids)
                 if d.finish_reason:
                     reasons.append(d.finish_reason)
-                if got and aborted is None:
-                    await c.pause(mode="keep")
-                    aborted = await c.abort([rid])
-                    await c.resume()
+
+        try:
+            await c.pause(mode="keep")
+            reader = asyncio.ensure_future(consume())
+            deadline = asyncio.get_running_loop().time() + 60
+            while (await c.drain_status())["inflight"] < 1:
+                assert asyncio.get_running_loop().time() < deadline and not reader.done(), "request never admitted"
+                await asyncio.sleep(0.02)
+            aborted = await c.abort([rid])
         finally:
             await c.resume()
+        await asyncio.wait_for(reader, 60)
         assert aborted == {"status": "aborted", "aborted": 1}
         assert await c.abort(["no-such-request"]) == {"status": "aborted", "aborted": 0}
-    assert reasons == ["abort"] and 0 < len(got) < 400
+    assert reasons == ["abort"] and len(got) < 400
 
 
 def test_pause_resume(admin: TitoClient) -> None:
@@ -340,10 +348,20 @@ def test_request_log_lines_are_json_with_the_request_id(admin_server: ServerProc
     rid = f"log-{uuid.uuid4().hex[:8]}"
     admin.generate(PROMPT, max_tokens=1, request_id=rid)
     admin.health()
-    lines = [ln for ln in admin_server.log_text().splitlines() if ln.startswith("{")]
-    records = [json.loads(ln) for ln in lines]
-    access = [r for r in records if r.get("logger") == "tito.request"]
-    gen = [r for r in access if r.get("request_id") == f"generate-tokens-{rid}"]
+
+    def access_lines() -> tuple[list[dict], list[dict]]:
+        lines = [ln for ln in admin_server.log_text().splitlines() if ln.startswith("{")]
+        records = [json.loads(ln) for ln in lines if ln.endswith("}")]  # not a line still being written
+        access = [r for r in records if r.get("logger") == "tito.request"]
+        return access, [r for r in access if r.get("request_id") == f"generate-tokens-{rid}"]
+
+    # The access line is written after the answer has been sent, so the client can read the log before it is there.
+    deadline = time.monotonic() + 30
+    access, gen = access_lines()
+    while not gen:
+        assert time.monotonic() < deadline, admin_server.log_tail()
+        time.sleep(0.05)
+        access, gen = access_lines()
     assert len(gen) == 1 and gen[0]["msg"].startswith("POST /inference/v1/generate 200 ")
     assert any(r["msg"].startswith("GET /health 200 ") and r.get("request_id") for r in access)
     # One access line per request, each with an id.

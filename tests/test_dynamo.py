@@ -65,7 +65,10 @@ def dyn_env(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def frontend(dyn_env, tmp_path_factory) -> Iterator[tuple[ServerProcess, str]]:
-    http_port, rl_port = free_port(), free_port()
+    http_port = free_port()
+    rl_port = free_port()
+    while rl_port == http_port:  # two calls may hand out the same just-released port
+        rl_port = free_port()
     env = engine_env({**dyn_env, "DYN_ENABLE_RL": "1", "DYN_RL_PORT": str(rl_port)})
     log = tmp_path_factory.mktemp("logs") / "dynamo-frontend.log"
     cmd = [sys.executable, "-m", "dynamo.frontend", "--http-port", str(http_port), "--discovery-backend", "file"]
@@ -146,14 +149,17 @@ def test_drain_unlists_and_shutdown_unregisters(frontend, dyn_tito, dyn_env):
     with httpx.Client(base_url=dyn_tito.url, timeout=60) as c:
         try:
             assert c.post("/drain", json={"timeout": 1}).status_code == 200
-            wait_for(lambda: workers(rl_url) == [], 30, "tito to leave /v1/rl/workers while draining")
-            assert instance_files(dyn_env) == []
+            wait_for(lambda: workers(rl_url) == [], 60, "tito to leave /v1/rl/workers while draining")
+            # The adapter takes its two instances out one after the other: the listing can change first.
+            wait_for(lambda: instance_files(dyn_env) == [], 30, "both instances unregistered while draining")
         finally:
             c.delete("/drain")
-        back = wait_for(lambda: workers(rl_url), 30, "tito back in /v1/rl/workers after undrain")
+        back = wait_for(lambda: workers(rl_url), 60, "tito back in /v1/rl/workers after undrain")
         assert back[0]["admin_base_url"] == dyn_tito.url
-    assert len(instance_files(dyn_env)) == 2  # generate and rl
+    files = wait_for(lambda: len(instance_files(dyn_env)) == 2 and instance_files(dyn_env), 30,
+                     "both instances registered again")  # generate and rl
+    assert len(files) == 2
     dyn_tito.stop()
-    wait_for(lambda: workers(rl_url) == [], 30, "tito to leave /v1/rl/workers after shutdown")
-    assert instance_files(dyn_env) == []
+    wait_for(lambda: workers(rl_url) == [], 60, "tito to leave /v1/rl/workers after shutdown")
+    wait_for(lambda: instance_files(dyn_env) == [], 30, "both instances unregistered after shutdown")
     assert "dynamo: unregistered" in dyn_tito.log_text()

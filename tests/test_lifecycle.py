@@ -77,23 +77,36 @@ def test_probes_while_serving(server: ServerProcess) -> None:
 @TIMING
 def test_drain_under_64_streams(server: ServerProcess) -> None:
     n, max_tokens = 64, 256
+    half = n // 2
 
     async def run() -> None:
         async with async_client(server.url) as c:
             firsts = [asyncio.Event() for _ in range(n)]
-            streams = [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
-                       for i in range(n)]
+            streams: list[asyncio.Future[Any]] = []
             try:
-                # All admitted and generating; freeze them so the drain surely starts with them in flight. (Not
-                # "every stream has its first token": a client parsing 64 streams sees the last first token late,
-                # after a quiet machine has finished most of them.)
-                await wait_for(lambda: _inflight_is(c, n), 60)
+                # Half of the streams are generating when the drain starts, half are queued; all are frozen
+                # (pause mode=keep), so the drain surely starts with at least the queued half in flight however
+                # fast or slow the machine. The first half is admitted while frozen (so all of it is in flight at
+                # once), then generates until one has a token; the second half arrives while frozen again.
+                await pause_keep(c)
+                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
+                            for i in range(half)]
+                await wait_for(lambda: _inflight_is(c, half), 120)
+                await resume(c)
                 await asyncio.wait_for(firsts[0].wait(), 180)
                 await pause_keep(c)
+                running = await inflight(c)  # those of the first half that have not finished yet
+                admitted = [asyncio.Event() for _ in range(half, n)]
+                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i],
+                                                              admitted=admitted[i - half]))
+                            for i in range(half, n)]
+                await wait_for(lambda: count_set(admitted, half), 120)
+                # Frozen, so none can finish now (one whose last token came just before the pause may still be
+                # answering): the count can only go down to the queued half plus those frozen mid-way.
                 held = await inflight(c)
-                assert held >= n // 2, held
+                assert half <= held <= running + half, (held, running)
                 drain = asyncio.ensure_future(c.post("/drain", json={"timeout": 180}))
-                await wait_for(lambda: _draining(c), 10)
+                await wait_for(lambda: _draining(c), 60)
 
                 # New work is refused with a clear 503 + Retry-After; probes and admin routes keep answering.
                 assert_busy_503(await c.post(GEN, json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
@@ -115,7 +128,7 @@ def test_drain_under_64_streams(server: ServerProcess) -> None:
                 print(f"drain answer: {answer}")
                 assert answer["status"] == "drained"
                 assert answer["still_running"] == 0 and answer["inflight"] == 0
-                assert answer["inflight_at_start"] == held
+                assert half <= answer["inflight_at_start"] <= held
                 assert answer["finished"] == answer["inflight_at_start"]
                 for res in results:
                     assert res["status"] == 200 and res["done"] and not res["errors"]
@@ -208,32 +221,39 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_model: Path, tmp_path_factor
         assert s.proc is not None
         procs = family(s.proc.pid)
         assert any("EngineCore" in p.name() for p in procs)
-        n, max_tokens = 32, 128
+        n, max_tokens, seats = 32, 128, 8
 
         async def run() -> list[dict[str, Any]]:
             async with async_client(s.url) as c:
                 await pause_keep(c)
                 firsts = [asyncio.Event() for _ in range(n)]
+                admitted = [asyncio.Event() for _ in range(n)]
+                # 8 running (they have tokens), 24 queued; frozen, so none of the queued can finish before the
+                # checks below. Without this a quiet machine finishes the whole load in about a second, the drain
+                # ends, and the server legitimately stops listening before the test's own probes are sent.
+                # The first 8 are admitted while frozen (all in flight at once), then generate until each has a
+                # token; the other 24 arrive while frozen again, so they are surely queued, however fast the
+                # machine or however late this process sees the first tokens.
                 streams = [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
-                           for i in range(n)]
-                # 8 running (they have tokens), all 32 admitted; frozen, so none can finish before the checks
-                # below. Without this a quiet machine finishes the whole load in about a second, the drain ends,
-                # and the server legitimately stops listening before the test's own probes are sent.
-                # Admitted while frozen (all n in flight at once, even if admission is slow), then generating.
-                await wait_for(lambda: _inflight_is(c, n), 60)
+                           for i in range(seats)]
+                await wait_for(lambda: _inflight_is(c, seats), 120)
                 await resume(c)
-                await wait_for(lambda: count_set(firsts, 8), 120)
+                await wait_for(lambda: count_set(firsts[:seats], seats), 120)
                 await pause_keep(c)
+                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i],
+                                                              admitted=admitted[i]))
+                            for i in range(seats, n)]
+                await wait_for(lambda: count_set(admitted[seats:], n - seats), 120)
                 s.signal(signal.SIGTERM)
                 t0 = time.monotonic()
-                ready = await wait_for(lambda: _not_ready(c), 10)
+                ready = await wait_for(lambda: _not_ready(c), 60)
                 assert ready == {"status": "not_ready", "reason": "shutting_down"}
                 # The listener stays open during the drain: new work gets a 503 it can retry elsewhere.
                 assert_busy_503(await c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
                                 "shutting down")
                 health = (await c.get("/health")).json()
                 # At most the 8 running ones can have finished before the pause; the queued 24 are still there.
-                assert health["state"] == "shutting_down" and health["inflight"] >= n - 8, health
+                assert health["state"] == "shutting_down" and health["inflight"] >= n - seats, health
                 await resume(c)  # the admin routes keep working while shutting down
                 results = await asyncio.wait_for(asyncio.gather(*streams), 120)
                 print(f"all {n} streams done {time.monotonic() - t0:.1f}s after SIGTERM")
@@ -260,22 +280,28 @@ def test_second_signal_aborts_in_flight_and_exits_0(tiny_model: Path,
     try:
         assert s.proc is not None
         procs = family(s.proc.pid)
-        n, max_tokens = 16, 480
+        n, max_tokens, seats = 16, 480, 4
 
         async def run() -> tuple[list[dict[str, Any]], float]:
             async with async_client(s.url) as c:
                 await pause_keep(c)
                 firsts = [asyncio.Event() for _ in range(n)]
+                admitted = [asyncio.Event() for _ in range(n)]
+                # The first 4 are admitted while frozen, then generate until each has a token; the other 12 arrive
+                # while frozen again, so they are surely still queued when the signals come.
                 streams = [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
-                           for i in range(n)]
-                # Admitted while frozen (all n in flight at once, even if admission is slow), then generating.
-                await wait_for(lambda: _inflight_is(c, n), 60)
+                           for i in range(seats)]
+                await wait_for(lambda: _inflight_is(c, seats), 120)
                 await resume(c)
-                await wait_for(lambda: count_set(firsts, 4), 120)
+                await wait_for(lambda: count_set(firsts[:seats], seats), 120)
                 # Frozen: with a 600 s drain, only the second signal can end them, however fast the machine is.
                 await pause_keep(c)
+                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i],
+                                                              admitted=admitted[i]))
+                            for i in range(seats, n)]
+                await wait_for(lambda: count_set(admitted[seats:], n - seats), 120)
                 s.signal(signal.SIGTERM)
-                await wait_for(lambda: _not_ready(c), 10)
+                await wait_for(lambda: _not_ready(c), 60)
                 s.signal(signal.SIGINT)  # shortens the 600 s drain to now
                 t0 = time.monotonic()
                 results = await asyncio.wait_for(asyncio.gather(*streams), 120)
@@ -285,9 +311,9 @@ def test_second_signal_aborts_in_flight_and_exits_0(tiny_model: Path,
         print(f"streams ended {took:.1f}s after the second signal")
         assert took < 60, "the second signal must not wait out the 600 s drain"
         finishes = [r["finish"] for r in results]
-        # Frozen in flight, so aborted: at most the first wave of 4 (and a few more if the client saw first tokens
-        # late) can have finished before the pause.
-        assert finishes.count("abort") >= n // 2, finishes
+        # Frozen in flight, so aborted: at most the first wave of 4 can have finished before the pause; the 12
+        # queued behind them surely had not.
+        assert finishes.count("abort") >= n - seats, finishes
         for res in results:
             assert res["status"] == 200 and res["done"] and not res["errors"], res
             if res["finish"] == "abort":

@@ -17,6 +17,7 @@ from tests.helpers import (
     ServerProcess,
     metric_value,
 )
+from tests.streaming import long_context_model
 
 GEN = "/inference/v1/generate"
 # What orchestrator/concurrency.py needs (prime-rl-contract.md §4).
@@ -24,12 +25,20 @@ ENGINE_FAMILIES = ["vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:n
                    "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:num_preemptions_total"]
 
 
+# Tokens per request under load. Long on purpose: the tiny model decodes thousands of steps per second, so 300-token
+# requests were all done before a scrape answered and the samples saw nothing. With these, each pair of requests runs
+# for thousands of steps while the others wait, even if this process is descheduled for a while.
+PROMPT_LEN, MAX_TOKENS = 100, 1900
+CONTEXT = PROMPT_LEN + MAX_TOKENS + 96
+
+
 @pytest.fixture(scope="module")
-def small(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
-    """Two sequences at a time, so a handful of requests keeps some waiting for capacity; and a KV cache of 6 blocks,
-    too small for two 400-token requests at once, so the scheduler preempts under that load."""
-    server = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "2", "--num-kv-blocks", "6",
-                        name="tito-metrics")
+def small(tmp_path_factory) -> Iterator[ServerProcess]:
+    """Two sequences at a time, so a handful of requests keeps some waiting for capacity; and a KV cache of 20 blocks
+    of 128 tokens, room for one 2000-token request but not two, so the scheduler preempts under that load."""
+    model = long_context_model(tmp_path_factory.mktemp("metrics-model") / "tiny-long", CONTEXT)
+    server = start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
+                        "--num-kv-blocks", "20", name="tito-metrics")
     yield server
     server.stop()
 
@@ -71,8 +80,8 @@ def test_engine_and_inflight_gauges_move_under_load(c, small):
     assert val(before, "vllm:num_requests_running") == 0
     assert val(before, "tito_inflight_requests") == 0
     n = 6
-    body = {"token_ids": list(range(1, 101)), "sampling_params": {"max_tokens": 300, "temperature": 0,
-                                                                    "ignore_eos": True}}
+    body = {"token_ids": list(range(1, PROMPT_LEN + 1)), "sampling_params": {"max_tokens": MAX_TOKENS,
+                                                                             "temperature": 0, "ignore_eos": True}}
 
     def one(_: int) -> int:
         with httpx.Client(base_url=small.url, timeout=300.0) as cl:
@@ -98,10 +107,10 @@ def test_engine_and_inflight_gauges_move_under_load(c, small):
             time.sleep(0.02)
         sample(seen)
         assert seen["inflight"] == n, seen
-        # Then generation runs two at a time: the first pair needs 300 decoding steps (over half a second even on a
-        # quiet machine) while the other four wait for a slot. Sample often until that has been seen.
+        # Then generation runs two at a time: the first pair runs together for some 1,200 decoding steps (until the
+        # KV cache is full) while the others wait for a slot. Sample often until that has been seen.
         assert c.post("/resume").status_code == 200
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not all(f.done() for f in futures):
             sample(seen)
             if seen.get("running", 0) == 2 and seen.get("capacity", 0) >= 1 and seen.get("waiting", 0) >= 1 \
@@ -116,12 +125,18 @@ def test_engine_and_inflight_gauges_move_under_load(c, small):
     assert seen["waiting"] >= 1 and seen["capacity"] >= 1, seen  # the rest wait for a slot
     assert seen["kv"] > 0, seen
     assert seen["inflight"] == n, seen
+    # The engine publishes its gauges with its next scheduler stats: wait for them to come back to 0.
+    deadline = time.monotonic() + 30
     after = scrape(c)
+    busy = ("vllm:num_requests_running", "vllm:num_requests_waiting", "tito_inflight_requests")
+    while time.monotonic() < deadline and any(val(after, name) for name in busy):
+        time.sleep(0.05)
+        after = scrape(c)
     assert val(after, "vllm:num_requests_running") == 0
     assert val(after, "vllm:num_requests_waiting") == 0
     assert val(after, "tito_inflight_requests") == 0
     assert val(after, "vllm:request_success_total") >= val(before, "vllm:request_success_total") + n
-    # Two running requests outgrow the 6-block KV cache: the scheduler preempts one.
+    # Two running requests outgrow the 20-block KV cache: the scheduler preempts one.
     assert val(after, "vllm:num_preemptions_total") > val(before, "vllm:num_preemptions_total")
 
 
@@ -132,10 +147,19 @@ def test_requests_counted_by_route_and_status_and_rejections_by_reason(c):
     assert c.post(GEN, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
     assert c.get("/no/such/route").status_code == 404
     assert c.post(GEN, content=b"x" * 9_000_000, headers={"content-type": "application/json"}).status_code == 413
-    after = scrape(c)
 
     def delta(name: str, **labels: str) -> float:
-        return val(after, name, **labels) - (metric_value(before, name, labels) or 0.0)
+        return (metric_value(after, name, labels) or 0.0) - (metric_value(before, name, labels) or 0.0)
+
+    # The middleware counts a request once its answer has been sent, so the client may scrape before the last one is
+    # counted: wait (generously) until all are, then check the exact numbers.
+    deadline = time.monotonic() + 30
+    after = scrape(c)
+    while (delta("tito_requests_total", route="unmatched", status="404") < 1
+           or delta("tito_rejected_requests_total", reason="body_too_large") < 1
+           or delta("tito_requests_total", route=GEN, status="400") < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = scrape(c)
 
     assert delta("tito_requests_total", route="/v1/models", status="200") == 1
     assert delta("tito_requests_total", route=GEN, status="400") == 2
