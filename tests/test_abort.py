@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -85,15 +85,7 @@ def test_disconnecting_32_streams_frees_the_engine(server: ServerProcess) -> Non
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
             running, _ = await _engine_counts(c)
             assert running >= 1  # the engine really is busy with them
-            try:
-                await pause_keep(c)  # from here on only an abort can take them out of the engine
-                assert (await inflight(c)) >= 1  # frozen in flight, not finished
-                for t in tasks:
-                    t.cancel()  # closes each response mid-stream: the client is gone
-                await asyncio.gather(*tasks, return_exceptions=True)
-                took = await _time_to_idle(c, time.monotonic())
-            finally:
-                await resume(c)
+            took = await _disconnect_frozen(c, tasks)  # closes each response mid-stream
             print(f"{n} streams disconnected with {running:.0f} running: engine idle after {took:.3f}s")
             assert took <= BOUND_S
             await wait_for(lambda: _inflight_zero(c), 10)
@@ -103,6 +95,20 @@ def test_disconnecting_32_streams_frees_the_engine(server: ServerProcess) -> Non
 
 async def _inflight_zero(c: httpx.AsyncClient) -> bool:
     return (await c.get("/drain")).json()["inflight"] == 0
+
+
+async def _disconnect_frozen(c: httpx.AsyncClient, tasks: Sequence[asyncio.Future[Any]]) -> float:
+    """Freeze the engine, cancel every client task (the client is gone), and return the seconds until the engine
+    is idle: from the freeze on, only the server's abort can take the requests out of the engine."""
+    try:
+        await pause_keep(c)
+        assert (await inflight(c)) >= 1  # frozen in flight, not finished
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return await _time_to_idle(c, time.monotonic())
+    finally:
+        await resume(c)
 
 
 @TIMING
@@ -119,15 +125,7 @@ def test_disconnecting_non_stream_clients_frees_the_engine(server: ServerProcess
                 return running >= n
 
             await wait_for(all_running, 120)
-            try:
-                await pause_keep(c)  # from here on only an abort can take them out of the engine
-                assert (await inflight(c)) >= 1  # frozen in flight, not finished
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                took = await _time_to_idle(c, time.monotonic())
-            finally:
-                await resume(c)
+            took = await _disconnect_frozen(c, tasks)
             print(f"{n} non-stream clients disconnected: engine idle after {took:.3f}s")
             assert took <= BOUND_S
             await wait_for(lambda: _inflight_zero(c), 10)

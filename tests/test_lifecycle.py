@@ -196,6 +196,26 @@ async def _inflight_is(c: httpx.AsyncClient, k: int) -> bool:
     return await inflight(c) == k
 
 
+async def _running_then_queued(c: httpx.AsyncClient, n: int, seats: int,
+                               max_tokens: int) -> list[asyncio.Future[dict[str, Any]]]:
+    """Start ``n`` streams: the first ``seats`` are admitted while frozen (all in flight at once), then generate
+    until each has a token; the rest arrive while frozen again, so they are surely queued, however fast the machine
+    or however late this process sees the first tokens. Returns with the engine frozen (``pause mode=keep``)."""
+    await pause_keep(c)
+    firsts = [asyncio.Event() for _ in range(n)]
+    admitted = [asyncio.Event() for _ in range(n)]
+    streams: list[asyncio.Future[dict[str, Any]]] = [
+        asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i])) for i in range(seats)]
+    await wait_for(lambda: _inflight_is(c, seats), 120)
+    await resume(c)
+    await wait_for(lambda: count_set(firsts[:seats], seats), 120)
+    await pause_keep(c)
+    streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i], admitted=admitted[i]))
+                for i in range(seats, n)]
+    await wait_for(lambda: count_set(admitted[seats:], n - seats), 120)
+    return streams
+
+
 def test_drain_body_is_validated(server: ServerProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         try:
@@ -225,25 +245,10 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_model: Path, tmp_path_factor
 
         async def run() -> list[dict[str, Any]]:
             async with async_client(s.url) as c:
-                await pause_keep(c)
-                firsts = [asyncio.Event() for _ in range(n)]
-                admitted = [asyncio.Event() for _ in range(n)]
                 # 8 running (they have tokens), 24 queued; frozen, so none of the queued can finish before the
                 # checks below. Without this a quiet machine finishes the whole load in about a second, the drain
                 # ends, and the server legitimately stops listening before the test's own probes are sent.
-                # The first 8 are admitted while frozen (all in flight at once), then generate until each has a
-                # token; the other 24 arrive while frozen again, so they are surely queued, however fast the
-                # machine or however late this process sees the first tokens.
-                streams = [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
-                           for i in range(seats)]
-                await wait_for(lambda: _inflight_is(c, seats), 120)
-                await resume(c)
-                await wait_for(lambda: count_set(firsts[:seats], seats), 120)
-                await pause_keep(c)
-                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i],
-                                                              admitted=admitted[i]))
-                            for i in range(seats, n)]
-                await wait_for(lambda: count_set(admitted[seats:], n - seats), 120)
+                streams = await _running_then_queued(c, n, seats, max_tokens)
                 s.signal(signal.SIGTERM)
                 t0 = time.monotonic()
                 ready = await wait_for(lambda: _not_ready(c), 60)
@@ -284,22 +289,9 @@ def test_second_signal_aborts_in_flight_and_exits_0(tiny_model: Path,
 
         async def run() -> tuple[list[dict[str, Any]], float]:
             async with async_client(s.url) as c:
-                await pause_keep(c)
-                firsts = [asyncio.Event() for _ in range(n)]
-                admitted = [asyncio.Event() for _ in range(n)]
-                # The first 4 are admitted while frozen, then generate until each has a token; the other 12 arrive
-                # while frozen again, so they are surely still queued when the signals come.
-                streams = [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i]))
-                           for i in range(seats)]
-                await wait_for(lambda: _inflight_is(c, seats), 120)
-                await resume(c)
-                await wait_for(lambda: count_set(firsts[:seats], seats), 120)
-                # Frozen: with a 600 s drain, only the second signal can end them, however fast the machine is.
-                await pause_keep(c)
-                streams += [asyncio.ensure_future(read_stream(c, stream_body(max_tokens, i), firsts[i],
-                                                              admitted=admitted[i]))
-                            for i in range(seats, n)]
-                await wait_for(lambda: count_set(admitted[seats:], n - seats), 120)
+                # 4 running, 12 queued, all frozen: with a 600 s drain, only the second signal can end them, however
+                # fast the machine is.
+                streams = await _running_then_queued(c, n, seats, max_tokens)
                 s.signal(signal.SIGTERM)
                 await wait_for(lambda: _not_ready(c), 60)
                 s.signal(signal.SIGINT)  # shortens the 600 s drain to now
