@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ if str(ROOT) not in sys.path:
 SYSTEMS = ("inprocess", "tito", "vllm")
 MAX_MODEL_LEN = 512
 GEN_PATH = "/inference/v1/generate"
+LOAD_TIMEOUT_S = 600.0  # a whole workload; a hung server fails the run instead of stalling it
 
 
 @dataclass(frozen=True)
@@ -131,121 +133,207 @@ def with_cpu(res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------- HTTP load
 
 
-async def http_load(url: str, wl: Workload) -> dict[str, Any]:
-    import aiohttp
+def _bodies(wl: Workload) -> list[bytes]:
+    import orjson
 
-    try:
-        import orjson
-
-        dumps, loads = orjson.dumps, orjson.loads
-    except ImportError:  # pragma: no cover - orjson is a tito dependency
-        dumps, loads = (lambda o: json.dumps(o).encode()), json.loads  # type: ignore[assignment]
-
-    bodies = []
+    out = []
     for i in range(wl.requests):
         prompt, mt = request_spec(wl, i)
         body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling(mt)}
         if wl.stream:
             body["stream"] = True
-        bodies.append((dumps(body), mt))
+        out.append(orjson.dumps(body))
+    return out
+
+
+def _count_tokens(body: bytes, stream: bool) -> int:
+    """Tokens in a whole answer (JSON, or SSE events ending with [DONE]); raises on an error event or a cut stream."""
+    import orjson
+
+    if not stream:
+        return sum(len(c["token_ids"]) for c in orjson.loads(body)["choices"])
+    got, done = 0, False
+    for event in body.split(b"\n\n"):
+        line = event.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            break
+        ev = orjson.loads(payload)
+        if "error" in ev:
+            raise RuntimeError(f"error event: {ev['error']}")
+        got += sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
+    if not done:
+        raise RuntimeError("stream ended without [DONE]")
+    return got
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the lean load generator: httptools (C) parses the answer and the body is
+    only looked at once it is complete, so the client spends as little CPU per request as it can. On a 2-core
+    machine every millisecond the client spends is taken from the server it measures."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.chunks: list[bytes] = []
+        self.status = 0
+        self.keep_alive = True
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except Exception as e:  # noqa: BLE001 - a malformed answer fails this request, not the run
+            self._fail(RuntimeError(f"bad HTTP answer: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(ConnectionError(f"server closed the connection: {exc or 'EOF'}"))
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((self.status, b"".join(self.chunks)))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+
+    async def request(self, head: bytes, body: bytes) -> tuple[int, bytes]:
+        assert self.transport is not None
+        self.chunks = []
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
+        return await self.waiter
+
+
+async def closed_loop(wl: Workload, send: Callable[[int, int], Awaitable[int]]) -> dict[str, Any]:
+    """Drive a workload closed-loop: ``wl.clients`` clients each send their next request as soon as the last one
+    answered. ``send(client, i)`` sends request ``i`` and returns the tokens it got; any exception, or fewer tokens
+    than the request's ``max_tokens``, is one error (counted and sampled, never fatal)."""
+    wants = [request_spec(wl, i)[1] for i in range(wl.requests)]
     latencies: list[float] = []
     samples: list[str] = []
     tokens = ok = errors = 0
     nxt = 0
-    headers = {"Content-Type": "application/json"}
-    conn = aiohttp.TCPConnector(limit=wl.clients, keepalive_timeout=300)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def one(data: bytes, want: int) -> int:
-            async with session.post(url + GEN_PATH, data=data, headers=headers) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                if not wl.stream:
-                    got = sum(len(c["token_ids"]) for c in loads(await r.read())["choices"])
-                else:
-                    got, done = 0, False
-                    async for raw in r.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            done = True
-                            break
-                        ev = loads(payload)
-                        if "error" in ev:
-                            raise RuntimeError(f"error event: {ev['error']}")
-                        got += sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
-                    if not done:
-                        raise RuntimeError("stream ended without [DONE]")
-                if got < want:
-                    raise RuntimeError(f"short answer: {got} of {want} tokens")
-                return got
-
-        async def client() -> None:
-            nonlocal nxt, tokens, ok, errors
-            while nxt < len(bodies):
-                data, want = bodies[nxt]
-                nxt += 1
-                t0 = time.perf_counter()
-                try:
-                    got = await one(data, want)  # not `tokens += await ...` (reads `tokens` before the await)
-                    tokens += got
-                    ok += 1
-                    latencies.append(time.perf_counter() - t0)
-                except Exception as e:  # noqa: BLE001 - every failure is counted and sampled, never fatal
-                    errors += 1
-                    samples.append(f"{type(e).__name__}: {e}")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(wl.clients)))
-        wall = time.perf_counter() - t0
-    return summarize(wall, latencies, tokens, ok, errors, samples)
-
-
-# --------------------------------------------------------------------------------------------------- in-process
-
-
-async def inprocess_load(engine: Any, wl: Workload) -> dict[str, Any]:
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    kind = RequestOutputKind.DELTA if wl.stream else RequestOutputKind.FINAL_ONLY
-    latencies: list[float] = []
-    samples: list[str] = []
-    tokens = ok = errors = 0
-    nxt = 0
-
-    async def one(i: int) -> int:
-        from vllm.inputs import tokens_input
-
-        prompt, mt = request_spec(wl, i)
-        params = SamplingParams(**sampling(mt), output_kind=kind)
-        got = 0
-        async for out in engine.llm.generate(tokens_input(prompt), params, f"bench-{wl.name}-{i}-{time.time_ns()}"):
-            n = sum(len(o.token_ids) for o in out.outputs)
-            got = got + n if wl.stream else n
-        if got < mt:
-            raise RuntimeError(f"short answer: {got} of {mt} tokens")
-        return got
-
-    async def client() -> None:
+    async def client(c: int) -> None:
         nonlocal nxt, tokens, ok, errors
         while nxt < wl.requests:
             i = nxt
             nxt += 1
             t0 = time.perf_counter()
             try:
-                got = await one(i)  # not `tokens += await ...`: that reads `tokens` before the await
+                got = await send(c, i)  # not `tokens += await ...`: that reads `tokens` before the await
+                if got < wants[i]:
+                    raise RuntimeError(f"short answer: {got} of {wants[i]} tokens")
                 tokens += got
                 ok += 1
                 latencies.append(time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - counted, never fatal
+            except Exception as e:  # noqa: BLE001 - every failure is counted and sampled, never fatal
                 errors += 1
                 samples.append(f"{type(e).__name__}: {e}")
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(wl.clients)))
+    await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(wl.clients))), LOAD_TIMEOUT_S)
     return summarize(time.perf_counter() - t0, latencies, tokens, ok, errors, samples)
+
+
+async def raw_load(url: str, wl: Workload) -> dict[str, Any]:
+    """The default load generator: one keep-alive connection per client over a bare asyncio protocol."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    head = (f"POST {GEN_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            "Content-Length: ").encode()
+    bodies = _bodies(wl)
+    loop = asyncio.get_running_loop()
+    conns: list[_Conn | None] = [None] * wl.clients
+
+    async def send(c: int, i: int) -> int:
+        conn = conns[c]
+        try:
+            if conn is None or conn.transport is None:
+                _, conn = await loop.create_connection(_Conn, host, int(port))
+                conns[c] = conn
+            status, body = await conn.request(head, bodies[i])
+        except BaseException:
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()  # the connection's state is unknown: the next request opens a fresh one
+            conns[c] = None
+            raise
+        if not conn.keep_alive and conn.transport is not None:
+            conn.transport.close()
+            conns[c] = None
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
+        return _count_tokens(body, wl.stream)
+
+    try:
+        return await closed_loop(wl, send)
+    finally:
+        for conn in conns:
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+
+
+async def aiohttp_load(url: str, wl: Workload) -> dict[str, Any]:
+    """The earlier load generator (aiohttp), for comparison: it spends 1.5-6x the CPU per request of
+    :func:`raw_load`, CPU that the server under test then lacks."""
+    import aiohttp
+
+    bodies = _bodies(wl)
+    headers = {"Content-Type": "application/json"}
+    conn = aiohttp.TCPConnector(limit=wl.clients, keepalive_timeout=300)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)) as session:
+
+        async def send(_: int, i: int) -> int:
+            async with session.post(url + GEN_PATH, data=bodies[i], headers=headers) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
+                return _count_tokens(body, wl.stream)
+
+        return await closed_loop(wl, send)
+
+
+CLIENTS = {"raw": raw_load, "aiohttp": aiohttp_load}
+
+
+# --------------------------------------------------------------------------------------------------- in-process
+
+
+async def inprocess_load(engine: Any, wl: Workload) -> dict[str, Any]:
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    kind = RequestOutputKind.DELTA if wl.stream else RequestOutputKind.FINAL_ONLY
+
+    async def send(_: int, i: int) -> int:
+        prompt, mt = request_spec(wl, i)
+        params = SamplingParams(**sampling(mt), output_kind=kind)
+        got = 0
+        async for out in engine.llm.generate(tokens_input(prompt), params, f"bench-{wl.name}-{i}-{time.time_ns()}"):
+            n = sum(len(o.token_ids) for o in out.outputs)
+            got = got + n if wl.stream else n
+        return got
+
+    return await closed_loop(wl, send)
 
 
 def inprocess_main(model: str, workloads: list[Workload]) -> dict[str, Any]:
@@ -342,8 +430,7 @@ def _self_cmd(*args: str) -> list[str]:
 def _worker_json(cmd: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> tuple[dict[str, Any], int]:
     """Run a worker process to completion; its last stdout line is JSON."""
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT), process_group=0)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -375,7 +462,7 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     log_path = logs / "inprocess.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(_self_cmd("--_inprocess", model, spec), stdout=subprocess.PIPE, stderr=log, env=env,
-                                cwd=str(ROOT), start_new_session=True)
+                                cwd=str(ROOT), process_group=0)
         with RssSampler(proc.pid) as rss:
             try:
                 out, _ = proc.communicate(timeout=timeout)
@@ -390,7 +477,8 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     return results
 
 
-def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float) -> dict[str, Any]:
+def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
+               client: str) -> dict[str, Any]:
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 
     port = free_port()
@@ -398,7 +486,10 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN))
     else:
         cmd = vllm_cmd(model, port)
-    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
+    # Server and load generator stay in this session: one CFS autogroup, so the kernel shares the CPU between their
+    # processes one by one. In separate sessions (two groups) the load generator got half the machine whenever it
+    # was runnable and tito's 64x1 throughput fell from ~1,650 to ~480-880 req/s.
+    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env(), same_session=True)
     t0 = time.monotonic()
     server.start(timeout=timeout)
     results: dict[str, Any] = {"start_s": time.monotonic() - t0}
@@ -407,8 +498,8 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
         with RssSampler(server.proc.pid) as rss:
             for wl in [WARMUP, *workloads]:
                 c0 = process_cpu_s(server.proc.pid)
-                res, _ = _worker_json(_self_cmd("--_load", server.url, json.dumps(asdict(wl))), timeout,
-                                      logs / "load.log", engine_env())
+                res, _ = _worker_json(_self_cmd("--_load", server.url, json.dumps(asdict(wl)), "--client", client),
+                                      timeout, logs / "load.log", engine_env())
                 results[wl.name] = with_cpu(res, process_cpu_s(server.proc.pid) - c0)
         results["memory"] = rss.result()
     finally:
@@ -428,7 +519,7 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
         row: dict[str, Any] = {}
         for s in systems:
             row[s] = {k: median_of(rounds, s, wl.name, k)
-                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req")}
+                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req", "client_cpu_ms_per_req")}
             row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
         key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
         for other in ("inprocess", "vllm"):
@@ -440,8 +531,12 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
         summary[wl.name] = row
     cold = {s: sum(r[s]["warmup"]["errors"] for r in rounds if s in r) for s in systems}
     keys = ("server_rss_mb", "server_uss_mb", "engine_rss_mb")
-    memory = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
+    memory: dict[str, Any] = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
               for s in systems if any(s in r for r in rounds)}
+    # What tito itself adds to the memory of a process that runs vLLM's engine client: the API process of both
+    # imports torch and vLLM, so their USS difference is tito's own share (FastAPI, uvicorn, its code and buffers).
+    if "tito" in memory and "inprocess" in memory:
+        memory["tito_own_mb"] = memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
     return {"workloads": summary, "cold_errors": cold, "memory": memory}
 
 
@@ -453,9 +548,10 @@ def _fmt(v: Any, nd: int = 0) -> str:
 
 def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:
     print(f"\nmedians over {rounds} round(s); errors are totals (non-200, error event, short answer)")
-    print("cpu ms/req: CPU time of the serving process (API + engine client; not the EngineCore) per request")
+    print("cpu ms/req: CPU time of the serving process (API + engine client; not the EngineCore) per request;")
+    print("client ms/req: CPU time of the HTTP load generator per request (taken from the same 2 cores)")
     head = (f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-            f"{'cpu ms/req':>10}")
+            f"{'cpu ms/req':>10} {'client ms/req':>13}")
     print(head)
     print("-" * len(head))
     for wl in workloads:
@@ -463,7 +559,8 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
         for s in systems:
             m = row[s]
             print(f"{wl.name:<12} {s:<10} {_fmt(m['tok_s']):>9} {_fmt(m['req_s'], 1):>9} {_fmt(m['p50_ms'], 2):>8} "
-                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {_fmt(m.get('cpu_ms_per_req'), 3):>10}")
+                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {_fmt(m.get('cpu_ms_per_req'), 3):>10} "
+                  f"{_fmt(m.get('client_cpu_ms_per_req'), 3):>13}")
         ratios = []
         for other in ("inprocess", "vllm"):
             if row.get(f"tito/{other}") is not None:
@@ -475,7 +572,11 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
     print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
     print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
     for s, m in summary["memory"].items():
-        print(f"  {s:<10} {m['server_rss_mb']:8.0f} (USS {m['server_uss_mb']:6.0f}) / {m['engine_rss_mb']:8.0f}")
+        if isinstance(m, dict):
+            print(f"  {s:<10} {m['server_rss_mb']:8.0f} (USS {m['server_uss_mb']:6.0f}) / {m['engine_rss_mb']:8.0f}")
+    if "tito_own_mb" in summary["memory"]:
+        print(f"tito's own share (USS of tito's process minus USS of the in-process engine client): "
+              f"{summary['memory']['tito_own_mb']:.0f} MB")
 
 
 def write_chart(path: Path, summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> bool:
@@ -519,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="A few requests per workload (smoke test, not a measurement).")
     p.add_argument("--out", default="results", help="Folder for bench.json / bench.png (default results/).")
     p.add_argument("--start-timeout", type=float, default=300.0, help="Seconds a system may take to start.")
+    p.add_argument("--client", choices=sorted(CLIENTS), default="raw",
+                   help="HTTP load generator: raw (default; a bare asyncio protocol with httptools, the cheapest) or "
+                        "aiohttp (for comparison).")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -533,7 +637,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
     if ns._load:  # worker: HTTP load generator in its own process
         url, spec = ns._load
-        print(json.dumps(asyncio.run(http_load(url, Workload(**json.loads(spec))))))
+        c0 = time.process_time()
+        res = asyncio.run(CLIENTS[ns.client](url, Workload(**json.loads(spec))))
+        # Its own CPU (setup and teardown included): what the client took from the machine the server runs on.
+        res["client_cpu_ms_per_req"] = (time.process_time() - c0) * 1000.0 / max(res["ok"], 1)
+        print(json.dumps(res))
         return 0
     if ns._inprocess:  # worker: the engine in-process
         model, spec = ns._inprocess
@@ -565,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             if s == "inprocess":
                 this[s] = run_inprocess(model, workloads, logs, timeout)
             else:
-                this[s] = run_server(s, model, workloads, logs, ns.start_timeout)
+                this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client)
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
             print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
                   file=sys.stderr, flush=True)
@@ -575,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, systems, workloads, ns.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick, "systems": systems,
+            "client": ns.client,
             "workloads": [asdict(w) for w in workloads], "cpus": os.cpu_count(), "python": platform.python_version(),
             "machine": platform.machine(), "max_model_len": MAX_MODEL_LEN}
     doc = {"meta": meta, "summary": summary, "rounds": rounds}

@@ -35,8 +35,12 @@ class ServerProcess:
     """A server subprocess in its own process group, so stopping it leaves no EngineCore orphans."""
 
     def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
-                 health_path: str = "/health") -> None:
+                 health_path: str = "/health", same_session: bool = False) -> None:
         self.cmd = list(cmd)
+        # A new session is a new CFS autogroup: the kernel then splits the CPU between the server and everything
+        # else as two groups. The benchmark keeps its load generator in the server's session instead (a new process
+        # group only, so the server can still be killed as a group).
+        self.same_session = same_session
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -47,7 +51,8 @@ class ServerProcess:
     def start(self, timeout: float = 240.0) -> ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(ROOT), start_new_session=True)
+                                     cwd=str(ROOT), start_new_session=not self.same_session,
+                                     process_group=0 if self.same_session else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from tests.helpers import ROOT, engine_env
@@ -32,12 +36,90 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path:
             assert m["errors"] == 0 and m["req_s"] > 0 and m["p50_ms"] > 0, (wl, system, m)
             # Read from clock ticks (10 ms): a quick workload may take less than one, so only >= 0 is certain.
             assert m["cpu_ms_per_req"] is not None and m["cpu_ms_per_req"] >= 0, (wl, system, m)
+        # The HTTP load generator reports its own CPU (the in-process system has none).
+        assert summary["workloads"][wl]["tito"]["client_cpu_ms_per_req"] > 0
+        assert summary["workloads"][wl]["inprocess"]["client_cpu_ms_per_req"] is None
         assert summary["workloads"][wl]["tito/inprocess"] is not None or wl == "1x1"
     # Every request of the quick 64x64 workload (4 clients x 2 requests x 8 tokens) was counted.
     assert doc["rounds"][0]["tito"]["64x64"]["tokens"] == 4 * 2 * 8
     assert doc["rounds"][0]["tito"]["stream64x64"]["tokens"] == 4 * 2 * 8
     assert summary["cold_errors"] == {"inprocess": 0, "tito": 0}
+    assert summary["memory"]["tito_own_mb"] == mem_diff(summary["memory"])
     mem = summary["memory"]["tito"]
     assert mem["server_rss_mb"] > 50 and mem["engine_rss_mb"] > 50 and 0 < mem["server_uss_mb"] < mem["server_rss_mb"]
     png = out_dir / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def mem_diff(memory: dict[str, Any]) -> float:
+    return float(memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"])
+
+
+def _bench_module() -> Any:
+    spec = importlib.util.spec_from_file_location("tito_bench", ROOT / "scripts" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tito_bench"] = mod  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
+    """The lean load generator against a scripted HTTP server: a good answer, a 500, a short answer, a connection
+    dropped before the answer, an answer that closes the connection, and a good one again. Every failure is counted
+    (none is fatal, none hangs) and the client reconnects after a drop."""
+    bench = _bench_module()
+    good = orjson.dumps({"choices": [{"token_ids": [7, 8]}]})
+    short = orjson.dumps({"choices": [{"token_ids": [7]}]})
+    script = [
+        (b"200 OK", good, b""),
+        (b"500 Internal Server Error", b'{"error": "boom"}', b""),
+        (b"200 OK", short, b""),
+        None,  # drop the connection without answering
+        (b"200 OK", good, b"Connection: close\r\n"),
+        (b"200 OK", good, b""),
+    ]
+    seen: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            seen.append(await reader.readexactly(length))
+            step = script[len(seen) - 1]
+            if step is None:
+                break
+            status, body, extra = step
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n" + extra
+                         + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            if extra:
+                break
+        writer.close()
+
+    async def run() -> dict[str, Any]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            wl = bench.Workload("scripted", 1, 2, False, len(script), "req/s")
+            return await asyncio.wait_for(bench.raw_load(f"http://127.0.0.1:{port}", wl), 30)
+
+    res = asyncio.run(run())
+    assert len(seen) == len(script)  # every request reached the server, in order, over reconnects
+    assert all(orjson.loads(b)["sampling_params"]["max_tokens"] == 2 for b in seen)
+    assert (res["ok"], res["errors"], res["tokens"]) == (3, 3, 6), res
+    text = " | ".join(res["error_samples"])
+    assert "HTTP 500" in text and "short answer: 1 of 2" in text and "closed the connection" in text, text
+
+
+def test_stream_answers_are_checked_event_by_event() -> None:
+    bench = _bench_module()
+    ok = b'data: {"choices":[{"token_ids":[1,2]}]}\n\ndata: {"choices":[{"token_ids":[3]}]}\n\ndata: [DONE]\n\n'
+    assert bench._count_tokens(ok, True) == 3
+    with pytest.raises(RuntimeError, match="without \\[DONE\\]"):
+        bench._count_tokens(ok.replace(b"data: [DONE]\n\n", b""), True)
+    with pytest.raises(RuntimeError, match="error event"):
+        bench._count_tokens(b'data: {"error":{"message":"x"}}\n\ndata: [DONE]\n\n', True)
