@@ -7,6 +7,10 @@ share the CPU), and driven through the same workloads:
     inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
     tito       ``python -m app serve``
     vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
+    matched    inprocess again, beside a CPU burner as large as the CPU tito's HTTP layer and load generator took in
+               the same round (per workload): the ceiling for any HTTP server on this machine. On a 2-core machine
+               the engine's processes already use both cores, so tito/matched separates what tito costs from what
+               the machine lacks.
 
 Workloads (closed loop: C clients each send their next request as soon as the last one answered):
 
@@ -52,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SYSTEMS = ("inprocess", "tito", "vllm")
+SYSTEMS = ("inprocess", "tito", "vllm", "matched")
 MAX_MODEL_LEN = 512
 GEN_PATH = "/inference/v1/generate"
 LOAD_TIMEOUT_S = 600.0  # a whole workload; a hung server fails the run instead of stalling it
@@ -336,8 +340,48 @@ async def inprocess_load(engine: Any, wl: Workload) -> dict[str, Any]:
     return await closed_loop(wl, send)
 
 
-def inprocess_main(model: str, workloads: list[Workload]) -> dict[str, Any]:
-    """Run in the worker process: start the engine like tito does (same settings), run the workloads."""
+_BURNER = """
+import sys, time
+busy, period = float(sys.argv[1]) * 0.01, 0.01
+while True:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < busy:
+        pass
+    time.sleep(period - busy)
+"""
+
+
+class Burner:
+    """Keeps ``cores`` worth of CPU busy (processes duty-cycled over 10 ms periods) while the ``with`` block runs."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = max(0.0, min(cores, 2.0))
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Burner:
+        left = self.cores
+        while left > 0.01:
+            share = min(left, 1.0)
+            self.procs.append(subprocess.Popen([sys.executable, "-c", _BURNER, f"{min(share, 0.999):.3f}"]))
+            left -= share
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait(10)
+
+
+def extra_cores(tito: dict[str, Any], inprocess: dict[str, Any]) -> float:
+    """The CPU tito's HTTP layer and its load generator added, in cores, at tito's rate: (tito's serving-process
+    CPU per request - the in-process client's + the load generator's) x tito's requests per second."""
+    extra_ms = tito["cpu_ms_per_req"] - inprocess["cpu_ms_per_req"] + tito.get("client_cpu_ms_per_req", 0.0)
+    return max(0.0, extra_ms * tito["req_s"] / 1000.0)
+
+
+def inprocess_main(model: str, workloads: list[Workload], burn: dict[str, float] | None = None) -> dict[str, Any]:
+    """Run in the worker process: start the engine like tito does (same settings), run the workloads. With ``burn``
+    (the ``matched`` system), each workload runs beside a :class:`Burner` of that many cores."""
     from app.engine import Engine
     from app.settings import Settings
 
@@ -349,8 +393,11 @@ def inprocess_main(model: str, workloads: list[Workload]) -> dict[str, Any]:
             await engine.warmup()  # what tito does before it reports healthy
             results = {"warmup": await inprocess_load(engine, WARMUP)}
             for wl in workloads:
-                c0 = process_cpu_s()
-                results[wl.name] = with_cpu(await inprocess_load(engine, wl), process_cpu_s() - c0)
+                with Burner((burn or {}).get(wl.name, 0.0)):
+                    c0 = process_cpu_s()
+                    results[wl.name] = with_cpu(await inprocess_load(engine, wl), process_cpu_s() - c0)
+                if burn is not None:
+                    results[wl.name]["burned_cores"] = burn.get(wl.name, 0.0)
             import psutil
 
             # Its own USS, now: the driver cannot read it once this process has exited.
@@ -454,11 +501,12 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: float) -> dict[str, Any]:
+def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: float,
+                  burn: dict[str, float] | None = None) -> dict[str, Any]:
     from tests.helpers import engine_env
 
     env = engine_env()
-    spec = json.dumps([asdict(w) for w in workloads])
+    spec = json.dumps({"workloads": [asdict(w) for w in workloads], "burn": burn})
     log_path = logs / "inprocess.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(_self_cmd("--_inprocess", model, spec), stdout=subprocess.PIPE, stderr=log, env=env,
@@ -519,10 +567,11 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
         row: dict[str, Any] = {}
         for s in systems:
             row[s] = {k: median_of(rounds, s, wl.name, k)
-                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req", "client_cpu_ms_per_req")}
+                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req", "client_cpu_ms_per_req",
+                               "burned_cores")}
             row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
         key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
-        for other in ("inprocess", "vllm"):
+        for other in ("inprocess", "vllm", "matched"):
             if "tito" in row and other in row and row["tito"][key] and row[other][key]:
                 ratio = row["tito"][key] / row[other][key]
                 row[f"tito/{other}"] = ratio if key != "p50_ms" else None
@@ -562,9 +611,10 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
                   f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {_fmt(m.get('cpu_ms_per_req'), 3):>10} "
                   f"{_fmt(m.get('client_cpu_ms_per_req'), 3):>13}")
         ratios = []
-        for other in ("inprocess", "vllm"):
+        for other in ("inprocess", "vllm", "matched"):
             if row.get(f"tito/{other}") is not None:
-                ratios.append(f"tito/{other} {row[f'tito/{other}']:.2f} ({wl.metric})")
+                burned = f", {row[other]['burned_cores']:.2f} cores burned" if other == "matched" else ""
+                ratios.append(f"tito/{other} {row[f'tito/{other}']:.2f} ({wl.metric}{burned})")
             if row.get(f"tito-{other}_p50_ms") is not None:
                 ratios.append(f"tito-{other} p50 {row[f'tito-{other}_p50_ms']:+.2f} ms")
         if ratios:
@@ -645,13 +695,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns._inprocess:  # worker: the engine in-process
         model, spec = ns._inprocess
-        print(json.dumps(inprocess_main(model, [Workload(**w) for w in json.loads(spec)])))
+        job = json.loads(spec)
+        print(json.dumps(inprocess_main(model, [Workload(**w) for w in job["workloads"]], job["burn"])))
         return 0
 
     systems = [s for s in ns.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:
         p.error(f"unknown system/workload: {', '.join(bad)}")
+    if "matched" in systems:
+        if not {"inprocess", "tito"} <= set(systems):
+            p.error("the matched system needs inprocess and tito in the same run (it burns what tito added)")
+        systems = [x for x in systems if x != "matched"] + ["matched"]  # last: it reads this round's tito figures
     workloads = [WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
     model = ns.model
     if model is None:
@@ -672,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
             timeout = ns.start_timeout + 600.0
             if s == "inprocess":
                 this[s] = run_inprocess(model, workloads, logs, timeout)
+            elif s == "matched":
+                burn = {wl.name: extra_cores(this["tito"][wl.name], this["inprocess"][wl.name]) for wl in workloads}
+                this[s] = run_inprocess(model, workloads, logs, timeout, burn)
             else:
                 this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client)
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,13 @@ from tests.helpers import ROOT, engine_env
 def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--quick", "--rounds", "1", "--systems", "inprocess,tito",
+        [sys.executable, "scripts/bench.py", "--quick", "--rounds", "1", "--systems", "matched,inprocess,tito",
          "--workloads", "64x64,stream64x64,1x1,mixed", "--model", str(tiny_model), "--out", str(out_dir)],
         capture_output=True, text=True, cwd=ROOT, env=engine_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
         assert any(line.startswith(f"{wl} ") and " tito " in f" {line} " for line in proc.stdout.splitlines()), wl
-    assert "tito/inprocess" in proc.stdout
+    assert "tito/inprocess" in proc.stdout and "tito/matched" in proc.stdout
 
     doc = json.loads((out_dir / "bench.json").read_text())
     summary = doc["summary"]
@@ -43,7 +44,13 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path:
     # Every request of the quick 64x64 workload (4 clients x 2 requests x 8 tokens) was counted.
     assert doc["rounds"][0]["tito"]["64x64"]["tokens"] == 4 * 2 * 8
     assert doc["rounds"][0]["tito"]["stream64x64"]["tokens"] == 4 * 2 * 8
-    assert summary["cold_errors"] == {"inprocess": 0, "tito": 0}
+    assert summary["cold_errors"] == {"inprocess": 0, "tito": 0, "matched": 0}
+    # The matched run burned, per workload, what tito's HTTP layer and client added over the in-process system.
+    bench = _bench_module()
+    r0 = doc["rounds"][0]
+    for wl in ("64x64", "stream64x64", "1x1", "mixed"):
+        want = bench.extra_cores(r0["tito"][wl], r0["inprocess"][wl])
+        assert r0["matched"][wl]["burned_cores"] == pytest.approx(want) and r0["matched"][wl]["errors"] == 0
     assert summary["memory"]["tito_own_mb"] == mem_diff(summary["memory"])
     mem = summary["memory"]["tito"]
     assert mem["server_rss_mb"] > 50 and mem["engine_rss_mb"] > 50 and 0 < mem["server_uss_mb"] < mem["server_rss_mb"]
@@ -123,3 +130,22 @@ def test_stream_answers_are_checked_event_by_event() -> None:
         bench._count_tokens(ok.replace(b"data: [DONE]\n\n", b""), True)
     with pytest.raises(RuntimeError, match="error event"):
         bench._count_tokens(b'data: {"error":{"message":"x"}}\n\ndata: [DONE]\n\n', True)
+
+
+def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:
+    """The matched baseline is only as good as its burner: half a core asked, about half a core used."""
+    import psutil
+
+    bench = _bench_module()
+    with bench.Burner(0.5) as burner:
+        assert len(burner.procs) == 1
+        proc = psutil.Process(burner.procs[0].pid)
+        time.sleep(0.5)  # past interpreter start-up
+        c0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        time.sleep(2.0)
+        used = (sum(proc.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+    assert 0.25 < used < 0.75, used
+    assert all(p.poll() is not None for p in burner.procs)  # stopped with the block
+    with bench.Burner(1.5) as two:  # more than a core: one full-time burner and one at half time
+        assert len(two.procs) == 2
+    assert all(p.poll() is not None for p in two.procs)
