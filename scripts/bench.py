@@ -23,12 +23,16 @@ Workloads (closed loop: C clients each send their next request as soon as the la
 Every non-200 answer, error event, transport failure or answer shorter than ``max_tokens`` (requests use
 ``ignore_eos``) counts as an error, including during the cold warm-up right after start.
 
-For HTTP systems the load generator is a separate process (aiohttp + uvloop, one connection per client) so it does
-not share the server's event loop; on a 2-core machine it still shares the CPU, which lowers every HTTP system alike.
+For HTTP systems the load generator is a separate process (a bare asyncio protocol with httptools on uvloop, one
+keep-alive connection per client; ``--client aiohttp`` for the older, costlier one), so it does not share the server's
+event loop; on a 2-core machine it still shares the CPU, and reports its own CPU per request. Server, engine and load
+generator stay in this process's session: a session is a CFS autogroup, and separate groups would split the CPU
+between them in halves.
 
-Results: a table on stdout (medians over rounds; ratios tito/inprocess and tito/vllm), ``bench-<time>.json`` and
-``bench.json`` plus ``bench.png`` (throughput and latency by workload) under ``--out``, and the resident memory (RSS)
-of each server process next to its engine processes.
+Results: a table on stdout (medians over rounds; ratios of tito to inprocess, vllm and matched, CPU per request of
+the serving process and of the load generator), ``bench-<time>.json`` and ``bench.json`` plus ``bench.png``
+(throughput and latency by workload) under ``--out``, and the resident memory (RSS, USS) of each server process next
+to its engine processes, with tito's own share.
 
     python scripts/bench.py                          # 3 rounds, all systems, all workloads (make bench)
     python scripts/bench.py --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
