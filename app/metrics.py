@@ -54,7 +54,10 @@ def _route_label(scope: Scope) -> str:
 
 class RequestMetrics:
     """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
-    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit)."""
+    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit).
+
+    A request is counted just before the last chunk of its answer is sent, so a client that has its answer and then
+    scrapes ``/metrics`` always finds it counted. A request that ends without an answer is counted as it ends."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -64,16 +67,26 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         status = 500
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            counted = True
+            REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
+            if 400 <= status < 500:
+                REJECTED.labels(reason=reject_reason(status)).inc()
 
         async def watched(message: Message) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.start":
                 status = int(message["status"])
+            elif kind == "http.response.body" and not message.get("more_body", False) and not counted:
+                count()
             await send(message)
 
         try:
             await self.app(scope, receive, watched)
         finally:
-            REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
-            if 400 <= status < 500:
-                REJECTED.labels(reason=reject_reason(status)).inc()
+            if not counted:
+                count()

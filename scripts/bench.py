@@ -538,10 +538,10 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN))
     else:
         cmd = vllm_cmd(model, port)
-    # Server and load generator stay in this session: one CFS autogroup, so the kernel shares the CPU between their
-    # processes one by one. In separate sessions (two groups) the load generator got half the machine whenever it
-    # was runnable and tito's 64x1 throughput fell from ~1,650 to ~480-880 req/s.
-    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env(), same_session=True)
+    # Server and load generator stay in this session (ServerProcess only makes a new process group): one CFS
+    # autogroup, so the kernel shares the CPU between their processes one by one. In separate sessions (two groups)
+    # tito's 64x1 throughput fell from ~1,650 to ~480-880 req/s.
+    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
     t0 = time.monotonic()
     server.start(timeout=timeout)
     results: dict[str, Any] = {"start_s": time.monotonic() - t0}

@@ -77,7 +77,7 @@ def main() -> int:
     log = (a.workdir / "server.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "256", "--allowed-weight-root", str(a.workdir)],
-                            cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600

@@ -32,15 +32,17 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class ServerProcess:
-    """A server subprocess in its own process group, so stopping it leaves no EngineCore orphans."""
+    """A server subprocess in its own process group, so stopping it leaves no EngineCore orphans.
+
+    Its own process group, but this session: a new session would be a new CFS autogroup, and the kernel would then
+    split the CPU between the server's group and ours. While the engine generated, that starved the test process
+    (and any client in it) for the whole generation: a ``POST /resume`` answered in 2 ms reached the client after
+    10 s in half of the tries, and Prometheus samples taken "during" a load all came after it. In one session the
+    kernel shares the CPU task by task."""
 
     def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
-                 health_path: str = "/health", same_session: bool = False) -> None:
+                 health_path: str = "/health") -> None:
         self.cmd = list(cmd)
-        # A new session is a new CFS autogroup: the kernel then splits the CPU between the server and everything
-        # else as two groups. The benchmark keeps its load generator in the server's session instead (a new process
-        # group only, so the server can still be killed as a group).
-        self.same_session = same_session
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -51,8 +53,7 @@ class ServerProcess:
     def start(self, timeout: float = 240.0) -> ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(ROOT), start_new_session=not self.same_session,
-                                     process_group=0 if self.same_session else None)
+                                     cwd=str(ROOT), process_group=0)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
