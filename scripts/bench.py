@@ -359,7 +359,7 @@ class Burner:
     """Keeps ``cores`` worth of CPU busy (processes duty-cycled over 10 ms periods) while the ``with`` block runs."""
 
     def __init__(self, cores: float) -> None:
-        self.cores = max(0.0, min(cores, 2.0))
+        self.cores = max(0.0, min(cores, float(os.cpu_count() or 1)))  # never more than the machine has
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Burner:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import subprocess
@@ -51,18 +52,17 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path:
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
         want = bench.extra_cores(r0["tito"][wl], r0["inprocess"][wl])
         assert r0["matched"][wl]["burned_cores"] == pytest.approx(want) and r0["matched"][wl]["errors"] == 0
-    assert summary["memory"]["tito_own_mb"] == mem_diff(summary["memory"])
+    memory = summary["memory"]
+    assert memory["tito_own_mb"] == memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
     mem = summary["memory"]["tito"]
     assert mem["server_rss_mb"] > 50 and mem["engine_rss_mb"] > 50 and 0 < mem["server_uss_mb"] < mem["server_rss_mb"]
     png = out_dir / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def mem_diff(memory: dict[str, Any]) -> float:
-    return float(memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"])
-
-
+@functools.cache
 def _bench_module() -> Any:
+    """scripts/bench.py as a module (loaded once: it is not a package)."""
     spec = importlib.util.spec_from_file_location("tito_bench", ROOT / "scripts" / "bench.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
