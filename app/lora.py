@@ -11,35 +11,25 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.protocol import ApiError
+from app.safetensors_meta import HeaderError, read_tensors
+from app.safetensors_meta import TensorMeta as TensorInfo
 
 log = logging.getLogger("tito.lora")
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-# A safetensors header is JSON; anything this large is corruption, not a real adapter.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}
 ADAPTER_DTYPES = {"F32", "F16", "BF16"}
 # PEFT features that change what an adapter computes and that vLLM does not implement.
 _UNSUPPORTED_FLAGS = {"use_dora": "DoRA", "lora_bias": "LoRA bias", "use_qalora": "QALoRA",
                       "layer_replication": "layer_replication", "alora_invocation_tokens": "Activated LoRA",
                       "use_bdlora": "block-diagonal LoRA"}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -61,56 +51,11 @@ def bad(message: str, param: str = "lora_path") -> ApiError:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check a safetensors header without reading tensor data.
-
-    Checks that the header is well-formed JSON, every tensor's byte range matches its dtype and shape, and the ranges
-    tile the data section exactly up to the end of the file (a truncated or padded file fails).
-    """
-    name = path.name
+    """Parse and check a safetensors header without reading tensor data (app/safetensors_meta.py)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"{name} is not a safetensors file: {size} bytes, too short for a header.")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise bad(f"{name} is corrupt: header length {n} does not fit in a {size}-byte file.")
-            raw = f.read(n)
-    except OSError as e:
-        raise bad(f"cannot read {name}: {e.strerror or e}.") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise bad(f"{name} is corrupt: its header is not valid JSON.") from None
-    if not isinstance(header, dict):
-        raise bad(f"{name} is corrupt: its header is not a JSON object.")
-    header.pop("__metadata__", None)
-    data_len = size - 8 - n
-    tensors: dict[str, TensorInfo] = {}
-    spans: list[tuple[int, int, str]] = []
-    for key, meta in header.items():
-        try:
-            dtype = str(meta["dtype"])
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"{name} is corrupt: bad header entry for tensor {key!r}.") from None
-        if dtype not in DTYPE_BYTES or any(d < 0 for d in shape):
-            raise bad(f"{name} is corrupt: tensor {key!r} has dtype {dtype} and shape {list(shape)}.")
-        if end - begin != math.prod(shape) * DTYPE_BYTES[dtype] or begin < 0 or end > data_len:
-            raise bad(f"{name} is corrupt or truncated: tensor {key!r} ({dtype} {list(shape)}) claims bytes "
-                      f"[{begin}, {end}) of a {data_len}-byte data section.")
-        tensors[key] = TensorInfo(dtype, shape)
-        spans.append((begin, end, key))
-    pos = 0
-    for begin, end, key in sorted(spans):
-        if begin != pos:
-            raise bad(f"{name} is corrupt: tensor {key!r} starts at byte {begin}, expected {pos}.")
-        pos = end
-    if pos != data_len:
-        raise bad(f"{name} is corrupt or truncated: tensors cover {pos} bytes, the data section has {data_len}.")
-    return tensors
+        return read_tensors(path)
+    except HeaderError as e:
+        raise bad(str(e)) from None
 
 
 @functools.lru_cache(maxsize=4)

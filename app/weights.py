@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import re
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from app import metrics
 from app.protocol import ApiError
+from app.safetensors_meta import HeaderError, read_tensors
+from app.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR
 
 if TYPE_CHECKING:
     from app.state import AppState
@@ -27,15 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tito.weights")
 
 INDEX_NAME = "model.safetensors.index.json"
-# Non-parameter buffers some trainers save (HF rotary caches, BatchNorm counters): recognized and skipped.
-BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq", "rotary_emb.cos_cached",
-                   "rotary_emb.sin_cached", ".num_batches_tracked")
-# Marker the worker puts in front of errors the caller caused (a bad tensor list), so they map to 4xx, not 500.
-CLIENT_ERROR = "TITO_CLIENT_ERROR: "
-TIMEOUT_ERROR = "TITO_TIMEOUT: "
-_MAX_HEADER = 100 * 1024 * 1024
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 _STEP_RE = re.compile(r"^step[_-]?(\d+)$")
 
 
@@ -77,44 +68,9 @@ def bad(message: str, status: int = 400) -> ApiError:
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse one safetensors header and check it against the file's size (truncation, overlapping data)."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"{path.name} is truncated or not a safetensors file ({size} bytes).")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen <= 0 or hlen > _MAX_HEADER or 8 + hlen > size:
-                raise bad(f"{path.name} is corrupt or truncated: header length {hlen} does not fit a file of "
-                          f"{size} bytes.")
-            raw = f.read(hlen)
-    except OSError as e:
-        raise bad(f"cannot read {path.name}: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise bad(f"{path.name} is corrupt: its header is not valid JSON.") from None
-    if not isinstance(header, dict):
-        raise bad(f"{path.name} is corrupt: its header is not a JSON object.")
-    data_size = size - 8 - hlen
-    out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = str(meta["dtype"])
-            shape = tuple(int(x) for x in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"{path.name} is corrupt: bad header entry for tensor {name!r}.") from None
-        if end > data_size:
-            raise bad(f"{path.name} is truncated: tensor {name!r} ends at byte {end} of the data section, "
-                      f"which has only {data_size} bytes.")
-        width = _DTYPE_BYTES.get(dtype)
-        if begin < 0 or end < begin or (width is not None and (end - begin) != math.prod(shape) * width):
-            raise bad(f"{path.name} is corrupt: tensor {name!r} has offsets {begin}..{end} that do not match "
-                      f"shape {list(shape)} of {dtype}.")
-        out[name] = TensorInfo(shape, dtype, path.name)
-    return out
+        return {k: TensorInfo(t.shape, t.dtype, path.name) for k, t in read_tensors(path).items()}
+    except HeaderError as e:
+        raise bad(str(e)) from None
 
 
 def checkpoint_files(directory: Path) -> list[Path]:

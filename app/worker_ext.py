@@ -15,13 +15,11 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
+# Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR
+
 log = logging.getLogger("tito.worker")
 
-# Same strings as app.weights (not imported: keep the worker's import graph small).
-CLIENT_ERROR = "TITO_CLIENT_ERROR: "
-TIMEOUT_ERROR = "TITO_TIMEOUT: "
-BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq", "rotary_emb.cos_cached",
-                   "rotary_emb.sin_cached", ".num_batches_tracked")
 # Sanity bounds on what a trainer announces, so a garbled stream fails fast instead of allocating terabytes.
 _MAX_STATE_DICTS = 100_000
 _MAX_META_BYTES = 256 * 1024 * 1024
