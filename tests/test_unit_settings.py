@@ -73,3 +73,26 @@ def test_paths_outside_roots_are_refused(tmp_path):
         assert e.value.status == 403
     anyp = Settings.build(env={}, allow_any_weight_path=True)
     assert str(resolve_allowed(anyp, "/etc", "weight_dir")) == os.path.realpath("/etc")
+
+
+def test_defaults_agree_between_cli_env_readme_and_settings():
+    """One declaration: the CLI with no flags, an empty environment and README's table all give Settings()'s
+    defaults, and every default survives the trip through its own env variable."""
+    import dataclasses
+    import re
+
+    base = Settings()
+    assert Settings.from_args(build_parser().parse_args(["serve"]), env={}) == base
+    assert Settings.build(env={}) == base
+    readme = (ROOT / "README.md").read_text()
+    row = re.compile(r"^\| `(--[\w-]+)` \| `TITO_\w+` \| `([^`]*)` \|", re.M)
+    table = {m.group(1): m.group(2) for m in row.finditer(readme)}
+    assert set(table) == {f.cli for f in FLAGS}
+    for f in FLAGS:
+        assert f.default == getattr(base, f.name), f.name
+        assert table[f.cli] == str(getattr(base, f.name)), f.cli
+        if f.default is not None and not f.repeatable:
+            assert getattr(Settings.build(env={f.env: str(f.default)}), f.name) == f.default, f.env
+    # Every field but `extra` is a flag.
+    assert {f.name for f in dataclasses.fields(Settings)} - {f.name for f in FLAGS} == {"extra"}
+    assert "secret" not in repr(Settings(api_key="secret", admin_api_key="secret"))
