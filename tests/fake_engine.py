@@ -1,0 +1,192 @@
+"""A fake of the engine adapter (``app.engine.Engine``) for fast HTTP-logic tests: ``create_app(settings,
+engine=FakeEngine())``. It implements the adapter's interface and answers like it (outputs shaped like vLLM's
+``RequestOutput``), with no model behind it: the tokens it "generates" count up from the prompt's last id.
+
+Never the evidence that a feature works (the real-engine tests are); it covers validation, admission, drain, auth,
+error envelopes and the client, in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from app.engine import EngineDead, EngineRejected, ModelFacts
+
+# The limits of the tiny test model (app/tiny_model.py), so the real-engine tests' bad-input cases apply unchanged.
+FACTS = ModelFacts(name="fake-model", path="/models/fake", dtype="float32", max_model_len=512, vocab_size=512,
+                   max_num_seqs=16, max_logprobs=20, priority_scheduling=False, data_parallel_size=1,
+                   tensor_parallel_size=1, pipeline_parallel_size=1, enable_lora=False, max_loras=0, max_lora_rank=0)
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+    weight_versions: Any = None
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    outputs: list[FakeCompletion]
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    prompt_logprobs: Any = None
+    kv_transfer_params: Any = None
+    finished: bool = False
+
+
+@dataclass
+class FakeLora:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    load_inplace: bool = False
+
+
+@dataclass
+class FakeEngine:
+    facts: ModelFacts = FACTS
+    # While cleared, generation waits after its first token (tests that must act while requests run).
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    fail_with: BaseException | None = None  # raised by the next generations
+    errored: bool = False
+    paused: bool = False
+    ping_delay: float = 0.0
+    lora_refusal: str | None = None  # add_lora raises EngineRejected with it
+    started: int = 0  # generations begun
+    aborted: list[str] = field(default_factory=list)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    weight_version: str = "default"
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    @classmethod
+    def with_lora(cls, **kw: Any) -> FakeEngine:
+        return cls(facts=replace(FACTS, enable_lora=True, max_loras=2, max_lora_rank=16), **kw)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, token_ids: list[int], params: Any, request_id: str, *, cache_salt: str | None = None,
+                 lora: Any = None, priority: int = 0, data_parallel_rank: int | None = None
+                 ) -> AsyncIterator[FakeOutput]:
+        self.calls.append(("generate", {"request_id": request_id, "lora": lora, "rank": data_parallel_rank}))
+        return self._run(list(token_ids), params, request_id)
+
+    async def _run(self, prompt: list[int], params: Any, request_id: str) -> AsyncIterator[FakeOutput]:
+        self.started += 1
+        if self.fail_with is not None:
+            raise self.fail_with
+        delta = params.output_kind.name == "DELTA"
+        n, max_tokens = params.n, params.max_tokens or 4
+        made: list[list[int]] = [[] for _ in range(n)]
+        for step in range(max_tokens):
+            if step == 1:
+                await self.gate.wait()
+            if request_id in self.aborted:
+                break
+            for i in range(n):
+                made[i].append((prompt[-1] + 1 + step + i) % self.facts.vocab_size)
+            last = step == max_tokens - 1
+            if delta:
+                yield FakeOutput(request_id, [FakeCompletion(i, [made[i][-1]], "length" if last else None)
+                                              for i in range(n)], prompt, finished=last)
+            await asyncio.sleep(0)
+        reason = "abort" if request_id in self.aborted else "length"
+        if delta:
+            if reason == "abort":
+                yield FakeOutput(request_id, [FakeCompletion(i, [], "abort") for i in range(n)], prompt, finished=True)
+            return
+        yield FakeOutput(request_id, [FakeCompletion(i, made[i], reason) for i in range(n)], prompt, finished=True)
+
+    async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        self.aborted += [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.gate.set()
+
+    async def warmup(self) -> None:
+        pass
+
+    def translate_error(self, e: BaseException, *, refused: bool = False) -> BaseException:
+        if isinstance(e, (EngineDead, EngineRejected, TimeoutError, asyncio.CancelledError)):
+            return e
+        if self.errored:
+            return EngineDead(str(e))
+        if refused or isinstance(e, (ValueError, TypeError, OverflowError)):
+            return EngineRejected(str(e), getattr(e, "parameter", None))
+        return e
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", reset_running_requests))
+        return True
+
+    async def ping_workers(self, timeout: float) -> None:
+        await asyncio.wait_for(asyncio.sleep(self.ping_delay), timeout)
+
+    async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                             timeout: float | None = None) -> list[Any]:
+        self.calls.append((method, kwargs))
+        return [None]
+
+    # ------------------------------------------------------------------ LoRA
+
+    @staticmethod
+    def lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> FakeLora:
+        return FakeLora(name, lora_id, path, load_inplace)
+
+    @staticmethod
+    def describe_lora(handle: FakeLora) -> dict[str, Any]:
+        return dict(handle.__dict__)
+
+    async def add_lora(self, name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> bool:
+        self.calls.append(("add_lora", (name, lora_id, path, load_inplace)))
+        if self.lora_refusal:
+            raise EngineRejected(self.lora_refusal)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.calls.append(("remove_lora", lora_id))
+        return True
+
+    # ------------------------------------------------------------------ weights and facts
+
+    @property
+    def weight_transfer_backend(self) -> str | None:
+        return None
+
+    def world_size(self, include_dp: bool = True) -> int:
+        return 1
+
+    async def get_weight_version(self) -> str:
+        return self.weight_version
+
+    async def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDead("fake engine is dead")
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDead("fake engine is dead")
+
+    def shutdown(self) -> None:
+        pass
