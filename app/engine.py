@@ -77,11 +77,6 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     return chosen
 
 
-def has_tokenizer(model_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                      "tokenizer.model", "vocab.json"))
-
-
 def engine_args(settings: Settings) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -321,13 +316,6 @@ class Engine:
     @property
     def errored(self) -> bool:
         return bool(self.llm.errored)
-
-    @property
-    def dead_error(self) -> BaseException:
-        return self.llm.dead_error
-
-    async def check_health(self) -> None:
-        await self.llm.check_health()
 
     def shutdown(self) -> None:
         self.llm.shutdown()

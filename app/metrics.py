@@ -5,6 +5,8 @@ Defined once here so every router records into the same objects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram, Info
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -52,6 +54,29 @@ def _route_label(scope: Scope) -> str:
     return path if isinstance(path, str) else "unmatched"
 
 
+class StatusSend:
+    """An ASGI ``send`` that remembers the answer's status and calls ``on_last(status)`` once, just before the last
+    chunk of the body goes out. Shared by the request counter here and the request log (app/reqlog.py)."""
+
+    __slots__ = ("send", "status", "done", "on_last")
+
+    def __init__(self, send: Send, status: int, on_last: Callable[[int], None] | None = None) -> None:
+        self.send = send
+        self.status = status  # until the answer starts: what a request that ends without one counts as
+        self.done = False
+        self.on_last = on_last
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+        elif kind == "http.response.body" and not message.get("more_body", False) and not self.done:
+            self.done = True
+            if self.on_last is not None:
+                self.on_last(self.status)
+        await self.send(message)
+
+
 class RequestMetrics:
     """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
     for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit).
@@ -66,27 +91,16 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
-        counted = False
 
-        def count() -> None:
-            nonlocal counted
-            counted = True
+        def count(status: int) -> None:
             REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
             if 400 <= status < 500:
                 REJECTED.labels(reason=reject_reason(status)).inc()
 
-        async def watched(message: Message) -> None:
-            nonlocal status
-            kind = message["type"]
-            if kind == "http.response.start":
-                status = int(message["status"])
-            elif kind == "http.response.body" and not message.get("more_body", False) and not counted:
-                count()
-            await send(message)
-
+        watched = StatusSend(send, 500, count)
         try:
             await self.app(scope, receive, watched)
         finally:
-            if not counted:
-                count()
+            if not watched.done:
+                watched.done = True
+                count(watched.status)

@@ -15,7 +15,9 @@ import time
 import uuid
 from contextvars import ContextVar
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.metrics import StatusSend
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("tito_request_id", default=None)
 SCOPE_KEY = "tito.request_id"
@@ -57,19 +59,12 @@ class RequestLog:
             return
         rid = _header(scope, b"x-request-id") or uuid.uuid4().hex
         token = REQUEST_ID.set(rid)
-        status = 0
+        watched = StatusSend(send, 0)
         t0 = time.perf_counter()
-
-        async def watched(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
         try:
             await self.app(scope, receive, watched)
         except BaseException:
-            status = status or 500
+            watched.status = watched.status or 500
             raise
         finally:
             ms = (time.perf_counter() - t0) * 1000.0
@@ -77,6 +72,6 @@ class RequestLog:
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
             client = scope.get("client")
-            log.info("%s %s %d %.1fms %s", scope.get("method", "?"), path, status, ms, client[0] if client else "-",
-                     extra={"request_id": scope.get(SCOPE_KEY) or rid})
+            log.info("%s %s %d %.1fms %s", scope.get("method", "?"), path, watched.status, ms,
+                     client[0] if client else "-", extra={"request_id": scope.get(SCOPE_KEY) or rid})
             REQUEST_ID.reset(token)

@@ -155,7 +155,6 @@ class Flag:
 
 
 FLAGS: list[Flag] = [Flag.of(f) for f in dataclasses.fields(Settings) if "help" in f.metadata]
-FLAGS_BY_NAME = {f.name: f for f in FLAGS}
 
 
 def _from_env(env: Any) -> dict[str, Any]:

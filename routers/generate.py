@@ -167,13 +167,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         raise
 
     if req.stream:
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
-        started: list[bool] = []
-        stream = _stream(state, gen, request_id, len(req.token_ids), params.n, num_lp, include_usage, continuous,
-                         req.token_ids if return_ids else None, started)
-        return _SseResponse(stream, state, request_id, started)
+        return _SseResponse(_Stream(state, gen, request_id, req, params.n, num_lp, return_ids))
 
     try:
         final = await _collect_or_disconnect(request, gen, request_id, state)
@@ -245,76 +239,96 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+class _Stream:
+    """One streamed answer: turns the engine's delta outputs into SSE chunks and owns the request's in-flight slot,
+    released exactly once: by the stream when it runs, or by ``_SseResponse`` when the client left before it did."""
+
+    __slots__ = ("state", "gen", "request_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
+                 "prompt_ids", "started")
+
+    def __init__(self, state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, req: GenerateRequest,
+                 n: int, num_lp: int | None, return_ids: bool) -> None:
+        self.state, self.gen, self.request_id = state, gen, request_id
+        self.prompt_len, self.n, self.num_lp = len(req.token_ids), n, num_lp
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous = bool(self.include_usage and opts and opts.continuous_usage_stats)
+        self.prompt_ids: list[int] | None = req.token_ids if return_ids else None  # sent once, in the first chunk
+        self.started = False
+
+    def release_unstarted(self) -> None:
+        if not self.started:
+            self.started = True
+            self.state.leave(self.request_id)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        if self.started:  # _SseResponse already gave up on this stream
+            return
+        self.started = True
+        state, request_id, prompt_len, num_lp, continuous = (self.state, self.request_id, self.prompt_len,
+                                                             self.num_lp, self.continuous)
+        prompt_ids = self.prompt_ids
+        generated = [0] * self.n
+        cached: int | None = None
+        finished = False
+        try:
+            first = True
+            async for res in self.gen:
+                if first:
+                    cached = res.num_cached_tokens
+                    if res.prompt_token_ids is not None:
+                        prompt_len = len(res.prompt_token_ids)
+                    first = False
+                for out in res.outputs:
+                    i = out.index
+                    generated[i] += len(out.token_ids)
+                    # Terminal outputs are always sent (an abort may carry no tokens) so the client sees the reason.
+                    if not out.token_ids and out.finish_reason is None:
+                        continue
+                    chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
+                                             "choices": [_choice(out, num_lp, final=False)]}
+                    if prompt_ids is not None:
+                        chunk["prompt_token_ids"] = prompt_ids
+                        prompt_ids = None
+                    if continuous:
+                        chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
+                                          "total_tokens": prompt_len + generated[i]}
+                    yield _sse(chunk)
+            if self.include_usage:
+                total = sum(generated)
+                usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + total,
+                                         "completion_tokens": total}
+                if cached is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+                yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
+            finished = True
+        except Exception as e:  # noqa: BLE001 - any failure becomes an error event; the status is already 200
+            finished = True
+            err = e if isinstance(e, ApiError) else _engine_error(state, e)
+            yield _sse(err.body())
+        finally:
+            state.leave(request_id)
+            if not finished:
+                # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
+                # suspended and would only abort when garbage-collected, so abort the request now.
+                _background(state.engine.abort(request_id))
+        yield b"data: [DONE]\n\n"
+
+
 class _SseResponse(StreamingResponse):
     """The SSE answer. If the client is gone before Starlette starts the body, the generator never runs (nor its
     ``finally``): release the in-flight slot here, or a drain would wait for it forever."""
 
-    def __init__(self, body: AsyncIterator[bytes], state: AppState, request_id: str, started: list[bool]) -> None:
-        super().__init__(body, media_type="text/event-stream",
+    def __init__(self, stream: _Stream) -> None:
+        super().__init__(stream.events(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._slot = (state, request_id, started)
+        self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            state, request_id, started = self._slot
-            if not started:
-                started.append(True)
-                state.leave(request_id)
-
-
-async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, prompt_len: int, n: int,
-                  num_lp: int | None, include_usage: bool, continuous: bool,
-                  prompt_ids: list[int] | None, started: list[bool]) -> AsyncIterator[bytes]:
-    if started:  # _SseResponse already gave up on this stream
-        return
-    started.append(True)
-    generated = [0] * n
-    cached: int | None = None
-    finished = False
-    try:
-        first = True
-        async for res in gen:
-            if first:
-                cached = res.num_cached_tokens
-                if res.prompt_token_ids is not None:
-                    prompt_len = len(res.prompt_token_ids)
-                first = False
-            for out in res.outputs:
-                i = out.index
-                generated[i] += len(out.token_ids)
-                # Terminal outputs are always sent (an abort may carry no tokens) so the client sees the reason.
-                if not out.token_ids and out.finish_reason is None:
-                    continue
-                chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
-                                         "choices": [_choice(out, num_lp, final=False)]}
-                if prompt_ids is not None:
-                    chunk["prompt_token_ids"] = prompt_ids
-                    prompt_ids = None
-                if continuous:
-                    chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
-                                      "total_tokens": prompt_len + generated[i]}
-                yield _sse(chunk)
-        if include_usage:
-            total = sum(generated)
-            usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + total,
-                                     "completion_tokens": total}
-            if cached is not None:
-                usage["prompt_tokens_details"] = {"cached_tokens": cached}
-            yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
-        finished = True
-    except Exception as e:  # noqa: BLE001 - any failure becomes an error event; the status is already 200
-        finished = True
-        err = e if isinstance(e, ApiError) else _engine_error(state, e)
-        yield _sse(err.body())
-    finally:
-        state.leave(request_id)
-        if not finished:
-            # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
-            # suspended and would only abort when garbage-collected, so abort the request now.
-            _background(state.engine.abort(request_id))
-    yield b"data: [DONE]\n\n"
+            self._stream.release_unstarted()
 
 
 _tasks: set[asyncio.Task[Any]] = set()

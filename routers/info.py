@@ -76,12 +76,6 @@ async def _paused(state: AppState) -> bool | None:
         return None
 
 
-def _routed_experts(state: AppState) -> bool:
-    # Reported once the engine exposes it (ModelFacts or a setting); absent means off.
-    return bool(getattr(state.facts, "routed_experts", False) or
-                getattr(state.settings, "enable_return_routed_experts", False))
-
-
 async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
     f, s = state.facts, state.settings
     now = time.time()
@@ -123,7 +117,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "lora": f.enable_lora,
             "max_loras": f.max_loras,
             "max_lora_rank": f.max_lora_rank,
-            "routed_experts": _routed_experts(state),
+            "routed_experts": False,  # tito does not return routed experts (the wire's field is always null)
             "prefix_caching": s.enable_prefix_caching,
             "priority_scheduling": f.priority_scheduling,
         },

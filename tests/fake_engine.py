@@ -180,13 +180,5 @@ class FakeEngine:
     async def set_weight_version(self, version: str) -> None:
         self.weight_version = version
 
-    @property
-    def dead_error(self) -> BaseException:
-        return EngineDead("fake engine is dead")
-
-    async def check_health(self) -> None:
-        if self.errored:
-            raise EngineDead("fake engine is dead")
-
     def shutdown(self) -> None:
         pass
