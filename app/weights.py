@@ -238,6 +238,27 @@ class UpdateOutcome:
                 "seconds": round(self.seconds, 4), "bytes": self.bytes}
 
 
+def log_kept(results: list[Any] | None) -> None:
+    """One INFO line per update for what vLLM's reload kept as is: layers that hold only buffers no checkpoint has
+    (the rotary ``cos_sin_cache``), whose "Failed to load weights" warning the workers drop (issue 19)."""
+    rows = [r for r in results or [] if isinstance(r, dict) and "kept" in r]
+    if not rows:
+        return
+    kept: dict[str, int] = {}
+    for r in rows:
+        for layer, n in r["kept"].items():
+            kept[layer] = max(kept.get(layer, 0), int(n))
+    same = all(r.get("rotary_before") == r.get("rotary_after") for r in rows)
+    digests = sorted({str(r.get("rotary_after")) for r in rows})
+    what = ", ".join(f"{n} {layer}" for layer, n in sorted(kept.items())) or "nothing"
+    if same:
+        log.info("weights reloaded; kept as is (non-checkpoint buffers only): %s; rotary caches bit-identical "
+                 "before and after (%s)", what, ",".join(digests))
+    else:
+        log.warning("weights reloaded; kept as is: %s; rotary caches CHANGED during the reload (%s)", what,
+                    ", ".join(f"{r.get('rotary_before')}->{r.get('rotary_after')}" for r in rows))
+
+
 @dataclass(frozen=True)
 class Inconsistent:
     """Why the served weights are a mix of versions: an update failed after the model had started to change."""
@@ -376,7 +397,7 @@ class WeightManager:
             self.last_key, self.last_outcome = key, outcome
             return outcome
 
-    async def apply(self, source: str, load: Callable[[], Awaitable[None]], version: str, nbytes: int,
+    async def apply(self, source: str, load: Callable[[], Awaitable[list[Any] | None]], version: str, nbytes: int,
                     what: str = "loading weights") -> UpdateOutcome:
         """Pause (``wait``) unless already paused, load, set the version, reset the prefix cache, resume.
 
@@ -393,7 +414,7 @@ class WeightManager:
                 await eng.pause(mode="wait", clear_cache=False)
                 paused_here = True
             try:
-                await load()
+                results = await load()
             except ApiError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -404,6 +425,7 @@ class WeightManager:
                 self.state.check_engine()
                 raise err from None
             touched = True
+            log_kept(results)
             await eng.set_weight_version(version)
             self.state.weight_version = version
             # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.

@@ -66,14 +66,16 @@ class TitoWorkerExtension:
         skipped = set(skip)
         t0 = time.perf_counter()
         it = ((n, t) for n, t in safetensors_weights_iterator(list(files), False) if n not in skipped)
-        self._tito_reload(_inject_fault(it))
-        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0}
+        kept = self._tito_reload(_inject_fault(it))
+        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, **kept}
 
-    def _tito_reload(self, weights: Iterable[tuple[str, Any]]) -> None:
+    def _tito_reload(self, weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """vLLM's in-place ``reload_weights``, with its per-layer report checked: a layer the checkpoint should have
-        covered but that loaded nothing fails the update; non-checkpoint buffers kept as they were are said once."""
+        covered but that loaded nothing fails the update. Returns what was kept as is (layers holding only
+        non-checkpoint buffers) and a digest of the rotary caches before and after, for the server's one INFO line."""
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset()
+        before = self.tito_buffer_digests()
         try:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         except BaseException:
@@ -81,10 +83,8 @@ class TitoWorkerExtension:
             raise
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
-        if report.kept:
-            kept = ", ".join(f"{n} x {c}" for c, n in sorted(report.kept.items()))
-            log.info("weights reloaded; kept as is (non-checkpoint buffers only, e.g. rotary cos_sin_cache): %s",
-                     kept)
+        return {"kept": dict(report.kept), "rotary_before": _digest_of(before),
+                "rotary_after": _digest_of(self.tito_buffer_digests())}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts
@@ -192,9 +192,9 @@ class TitoWorkerExtension:
                 yield from _skip_buffers(rx.state_dict(i))
             rx.check_complete()
 
-        self._tito_reload(stream())
+        kept = self._tito_reload(stream())
         return {"pid": os.getpid(), "bytes": rx.nbytes, "tensors": len(rx.seen), "state_dicts": n,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, **kept}
 
 
 class _Receiver:
@@ -308,6 +308,13 @@ class ReloadReport(logging.Filter):
 
 
 _REPORT: ReloadReport | None = None
+
+
+def _digest_of(digests: dict[str, str]) -> str:
+    """One short digest over named buffer digests (order-independent)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(f"{k}={v}" for k, v in sorted(digests.items())).encode()).hexdigest()[:16]
 
 
 def benign_layer_classes(model: Any) -> set[str]:

@@ -146,8 +146,8 @@ async def _disk_update(state: AppState, directory: Path, version: str | None, so
         mgr.counter += 1
         label = derive_version(version, directory, mgr.counter)
 
-        async def load() -> None:
-            await state.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)
+        async def load() -> list[Any]:
+            return await state.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)
 
         return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}")
 
@@ -208,13 +208,14 @@ async def _broadcast_update(state: AppState, directory: Path | None, req: DiskUp
         label = derive_version(req.weight_version, directory, mgr.counter)
         results: list[Any] = []
 
-        async def load() -> None:
+        async def load() -> list[Any]:
             try:
                 results.extend(await state.engine.receive_broadcast(spec, timeout))
             except Exception as e:
                 if "group was dropped" in str(e):
                     mgr.broadcaster = None
                 raise
+            return results
 
         out = await mgr.apply("broadcast", load, label, 0, "receiving the weight broadcast")
         out.bytes = sum(int(r.get("bytes", 0)) for r in results if isinstance(r, dict))

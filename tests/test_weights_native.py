@@ -218,3 +218,125 @@ def test_resume_route_refuses_inconsistent_weights() -> None:
         assert r.status_code == 409, r.text
         assert "weights are inconsistent after a failed update" in r.json()["error"]["message"]
         assert "resume" not in st.engine.calls
+
+
+# ------------------------------------------------------------------------------ broadcast receive (the GPU path too)
+
+
+class _Wire:
+    """What the trainer puts on the wire (tests/weight_sender.py's encoding), replayed into the worker's receives."""
+
+    def __init__(self, dicts: list[dict[str, Any]], fail_at: int | None = None) -> None:
+        from tests.weight_sender import send_state_dicts
+
+        self.sent: list[Any] = []
+
+        class _Work:
+            def wait(self) -> None:
+                return None
+
+        outer = self
+
+        class _PG:
+            def broadcast(self, ts: list[Any], opts: Any) -> _Work:
+                outer.sent.append(ts[0].clone())
+                return _Work()
+
+        send_state_dicts(_PG(), dicts)
+        self.pos = 0
+        self.fail_at = fail_at
+        self.events: list[str] = []
+        self.closed = False
+
+    def recv(self, t: Any, limit: float) -> None:
+        if self.fail_at is not None and self.pos == self.fail_at:
+            raise TimeoutError(f"NCCL broadcast not complete after {limit:g}s")
+        t.copy_(self.sent[self.pos].view(t.shape))
+        self.events.append(f"recv:{self.pos}")
+        self.pos += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _worker(wire: _Wire) -> Any:
+    import torch
+
+    from app.worker_ext import TitoWorkerExtension, _Broadcaster
+
+    class Worker(TitoWorkerExtension):
+        device = torch.device("cpu")
+        model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
+        vllm_config = SimpleNamespace(model_config=None)
+
+        def __init__(self) -> None:
+            self.loaded: dict[str, Any] = {}
+            self._tito_bcast = _Broadcaster(wire.recv, 1, 2, "nccl", 5.0, wire.close)
+
+        def reload_weights(self, weights_iterator: Any) -> None:
+            for name, t in weights_iterator:
+                wire.events.append(f"load:{name}")
+                self.loaded[name] = t.clone()
+
+    return Worker()
+
+
+def _dicts() -> list[dict[str, Any]]:
+    import torch
+
+    from tests.weight_sender import state_dicts
+
+    sd = {"model.embed.weight": torch.randn(4, 3), "model.layers.0.w": torch.randn(3),
+          "model.layers.1.w": torch.randn(3), "model.layers.2.w": torch.randn(2, 2)}
+    return state_dicts(sd)
+
+
+def test_broadcast_loads_each_state_dict_as_it_arrives() -> None:
+    """No second copy of the weights: a state dict reaches the loader before the next one is received."""
+    dicts = _dicts()
+    wire = _Wire(dicts)
+    w = _worker(wire)
+    expected = {k: list(v.shape) for d in dicts for k, v in d.items()}
+    out = w.tito_receive_broadcast(expected, 5.0)
+    assert out["state_dicts"] == 4 and out["tensors"] == 4
+    for d in dicts:
+        for k, v in d.items():
+            assert (w.loaded[k] == v).all()
+    ev = wire.events
+    # The first layer is loaded before the last state dict's first receive (its metadata length).
+    last_recv = ev.index(f"recv:{len(wire.sent) - 3}")
+    assert ev.index("load:model.layers.0.w") < last_recv
+
+
+def test_broadcast_timeout_midway_drops_the_group_and_is_not_untouched() -> None:
+    """A receive that times out after the reload started: the communicator is closed (on GPU: ncclCommAbort) and
+    the error has no UNTOUCHED marker, so the server marks the weights inconsistent instead of hanging."""
+    dicts = _dicts()
+    wire = _Wire(dicts, fail_at=8)  # count + 3 per one-dtype state dict: fails inside the third state dict
+    w = _worker(wire)
+    expected = {k: list(v.shape) for d in dicts for k, v in d.items()}
+    with pytest.raises(Exception) as e:
+        w.tito_receive_broadcast(expected, 5.0)
+    assert "TITO_TIMEOUT" in str(e.value) and UNTOUCHED not in str(e.value)
+    assert "group was dropped" in str(e.value)
+    assert wire.closed and w._tito_bcast is None
+    assert "load:model.embed.weight" in wire.events
+
+
+def test_broadcast_failure_before_the_reload_leaves_the_model_untouched() -> None:
+    dicts = _dicts()
+    wire = _Wire(dicts, fail_at=2)  # inside the first state dict
+    w = _worker(wire)
+    expected = {k: list(v.shape) for d in dicts for k, v in d.items()}
+    with pytest.raises(Exception) as e:
+        w.tito_receive_broadcast(expected, 5.0)
+    assert UNTOUCHED in str(e.value) and not w.loaded and wire.closed
+    # A state dict that names a tensor the model lacks is refused before it reaches the model.
+    bad = _dicts()
+    bad[1]["model.layers.0.extra"] = bad[1]["model.layers.0.w"]
+    wire = _Wire(bad)
+    w = _worker(wire)
+    with pytest.raises(ValueError) as e2:
+        w.tito_receive_broadcast(expected, 5.0)
+    assert "TITO_CLIENT_ERROR" in str(e2.value) and "model.layers.0.extra" in str(e2.value)
+    assert "load:model.layers.0.w" not in wire.events and "load:model.layers.0.extra" not in wire.events
