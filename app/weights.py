@@ -421,7 +421,8 @@ class WeightManager:
                 touched = UNTOUCHED not in str(e)
                 err = worker_error(e, what)
                 if touched:
-                    await self.mark_inconsistent(source, f"{what}: {err.message}", paused_here)
+                    cause = err.message if err.message.startswith(what) else f"{what}: {err.message}"
+                    await self.mark_inconsistent(source, cause, paused_here)
                 self.state.check_engine()
                 raise err from None
             touched = True
