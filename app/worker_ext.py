@@ -183,7 +183,7 @@ class TitoWorkerExtension:
             n = rx.count()
             first = rx.state_dict(0)
         except Exception as e:  # noqa: BLE001 - nothing has reached the model yet
-            raise type(e)(f"{UNTOUCHED}{e}") from None
+            raise BroadcastError(f"{UNTOUCHED}{e}") from None
 
         def stream() -> Iterator[tuple[str, Any]]:
             yield from _skip_buffers(first)

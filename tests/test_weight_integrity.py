@@ -54,8 +54,9 @@ def fault(root: Path) -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory, root: Path, fault: Path) -> Iterator[ServerProcess]:
     base = make_tiny_model(root / "base")
     (base / "config.json").write_text(json.dumps({**TINY_CONFIG, "max_position_embeddings": CONTEXT}))
-    srv = start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), name="integrity",
-                     env={"TITO_TEST_FAULT_FILE": str(fault)})
+    # A short liveness bound: the probes asked while a broadcast blocks must all answer well within its timeout.
+    srv = start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--liveness-timeout", "5",
+                     name="integrity", env={"TITO_TEST_FAULT_FILE": str(fault)})
     yield srv
     srv.stop()
 
@@ -184,15 +185,15 @@ def test_trainer_dies_mid_broadcast(client, server, root):
 
 def test_broadcast_timeout_mid_stream_and_probes_stay_live(client, server, root):
     """The trainer stalls after one state dict: while the worker blocks in the receive, /metrics, /liveness and
-    /server_info still answer (each bounds its engine call); the timeout leaves the server inconsistent; a good
-    broadcast from a new group repairs it."""
+    /server_info still answer (each bounds its engine call: 2 s, 5 s, --liveness-timeout 5 s); the timeout leaves
+    the server inconsistent; a good broadcast from a new group repairs it."""
     port = free_port()
     d = root / "stall" / "step_8"
     sender = Sender(port, [(d, 18)], mode="stall-after", after=1)
     try:
         assert init(client, port).status_code == 200
         (d / "NCCL_READY").touch()
-        upd = Background(client.post, "/update_weights", json={"weight_dir": str(d), "timeout": 40})
+        upd = Background(client.post, "/update_weights", json={"weight_dir": str(d), "timeout": 60})
         deadline = time.monotonic() + 60
         while "sent 1 of 3" not in (sender.proc.stdout.readline() if sender.proc.stdout else ""):
             assert time.monotonic() < deadline
@@ -201,7 +202,7 @@ def test_broadcast_timeout_mid_stream_and_probes_stay_live(client, server, root)
             assert r.status_code in (200, 503), (path, r.text)
             assert not upd.done(), f"{path} answered only after the broadcast had ended"
         r = upd.result(timeout=120)
-        assert r.status_code == 504 and "timed out after 40s" in r.json()["error"]["message"], r.text  # type: ignore
+        assert r.status_code == 504 and "timed out after 60s" in r.json()["error"]["message"], r.text  # type: ignore
     finally:
         sender.kill()
     assert_inconsistent(client, "receiving the weight broadcast")
