@@ -71,9 +71,15 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     chosen = {
         "gpu_memory_utilization": settings.gpu_memory_utilization or 0.3,
         "enforce_eager": True if settings.enforce_eager is None else settings.enforce_eager,
+        # A request scheduled for fewer tokens than it holds (a chunked prefill: a long prompt, or recomputing a
+        # preempted request) has its sampled token discarded, and vLLM then rewinds a seeded request's generator,
+        # which a CPU generator cannot do: the EngineCore dies ("CPU Generator does not use offset"). Unchunked,
+        # every prefill and every recompute is scheduled whole (max_num_batched_tokens >= max_model_len).
+        "enable_chunked_prefill": False,
     }
-    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s",
-             os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"], chosen["enforce_eager"])
+    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s, "
+             "chunked prefill off", os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"],
+             chosen["enforce_eager"])
     return chosen
 
 

@@ -19,6 +19,8 @@ PAUSED = Gauge("tito_paused", "1 while generation is paused")
 WEIGHT_UPDATES = Counter("tito_weight_updates_total", "Weight updates by source and outcome", ["source", "outcome"])
 WEIGHT_UPDATE_SECONDS = Histogram("tito_weight_update_seconds", "Seconds per successful weight update", ["source"],
                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+WEIGHTS_INCONSISTENT = Gauge("tito_weights_inconsistent",
+                             "1 while the weights are a mix of versions after a failed update (generation paused)")
 WEIGHT_VERSION = Info("tito_weight_version", "Current weight version label")
 LORA_LOADS = Counter("tito_lora_loads_total", "LoRA adapter loads by kind and outcome", ["kind", "outcome"])
 LORA_LOAD_SECONDS = Histogram("tito_lora_load_seconds", "Seconds per successful LoRA adapter load",

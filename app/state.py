@@ -112,6 +112,7 @@ class AppState:
         if self.draining:
             raise ApiError(503, "server is draining; send the request to another replica.",
                            headers={"Retry-After": "5"})
+        self.weights.check_consistent()
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -122,6 +123,8 @@ class AppState:
             return "shutting_down"
         if self.draining:
             return "draining"
+        if self.weights.inconsistent is not None:
+            return "weights_inconsistent"
         if not self.ready:
             return "starting"
         return None

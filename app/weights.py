@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from app import metrics
 from app.protocol import ApiError
 from app.safetensors_meta import HeaderError, read_tensors
-from app.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR
+from app.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
 
 if TYPE_CHECKING:
     from app.state import AppState
@@ -165,7 +165,7 @@ def derive_version(explicit: str | None, weight_dir: Path | None, counter: int) 
 
 def worker_error(e: BaseException, what: str) -> ApiError:
     """Map an engine/worker failure to an answer: the caller's fault → 400, a timeout → 504, else 500."""
-    msg = str(e)
+    msg = str(e).replace(UNTOUCHED, "")
     if CLIENT_ERROR in msg:
         return ApiError(400, msg.split(CLIENT_ERROR, 1)[1])
     if TIMEOUT_ERROR in msg:
@@ -192,11 +192,52 @@ class UpdateOutcome:
                 "seconds": round(self.seconds, 4), "bytes": self.bytes}
 
 
+def log_kept(results: list[Any] | None) -> None:
+    """One INFO line per update for what vLLM's reload kept as is: layers that hold only buffers no checkpoint has
+    (the rotary ``cos_sin_cache``), whose "Failed to load weights" warning the workers drop (issue 19)."""
+    rows = [r for r in results or [] if isinstance(r, dict) and "kept" in r]
+    if not rows:
+        return
+    kept: dict[str, int] = {}
+    for r in rows:
+        for layer, n in r["kept"].items():
+            kept[layer] = max(kept.get(layer, 0), int(n))
+    same = all(r.get("rotary_before") == r.get("rotary_after") for r in rows)
+    digests = sorted({str(r.get("rotary_after")) for r in rows})
+    what = ", ".join(f"{n} {layer}" for layer, n in sorted(kept.items())) or "nothing"
+    if same:
+        log.info("weights reloaded; kept as is (non-checkpoint buffers only): %s; rotary caches bit-identical "
+                 "before and after (%s)", what, ",".join(digests))
+    else:
+        log.warning("weights reloaded; kept as is: %s; rotary caches CHANGED during the reload (%s)", what,
+                    ", ".join(f"{r.get('rotary_before')}->{r.get('rotary_after')}" for r in rows))
+
+
+@dataclass(frozen=True)
+class Inconsistent:
+    """Why the served weights are a mix of versions: an update failed after the model had started to change."""
+
+    cause: str
+    source: str  # disk | reload | broadcast | native
+    since: float  # epoch seconds
+    resume_on_recovery: bool  # the failed update paused the engine itself: the update that repairs it resumes
+
+    def message(self) -> str:
+        return (f"weights are inconsistent after a failed update ({self.cause}); POST /update_weights or "
+                "/reload_weights")
+
+    def body(self) -> dict[str, Any]:
+        return {"cause": self.cause, "source": self.source, "since": self.since}
+
+
 class WeightManager:
     """Serializes weight updates; one per server, on ``AppState.weights``.
 
     An update runs as its own task: a client that disconnects or times out cancels only its wait, never the load,
     and its retry (same key) joins the running task or sees the finished outcome instead of starting a second load.
+
+    Integrity: a load that fails after the model has started to change sets ``inconsistent``. The server then stays
+    paused (it never resumes by itself), aborts the requests it holds, and refuses new work until an update succeeds.
     """
 
     def __init__(self, state: AppState) -> None:
@@ -208,6 +249,11 @@ class WeightManager:
         self.last_key: str | None = None
         self.last_outcome: UpdateOutcome | None = None
         self.broadcaster: dict[str, Any] | None = None
+        self.inconsistent: Inconsistent | None = None
+        # vLLM's native transfer: an update open from /start_weight_update until /finish_weight_update.
+        self.native_since: float | None = None
+        self._native_done = asyncio.Event()
+        self._native_done.set()
         self._expected: dict[str, TensorInfo] | None = None
 
     async def expected(self) -> dict[str, TensorInfo]:
@@ -219,26 +265,82 @@ class WeightManager:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None and not self.current.done()
+        return (self.current is not None and not self.current.done()) or self.native_since is not None
+
+    def _refuse_if_busy(self) -> None:
+        if self.native_since is not None:
+            raise ApiError(409, "a native weight update (/start_weight_update) is open; retry after "
+                                "/finish_weight_update.")
+        if self.busy or self.lock.locked():
+            raise ApiError(409, f"another weight update ({self.current_key or 'in progress'}) is running; "
+                                "retry when it has finished.")
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no update runs (a native one: until it is finished); False on timeout."""
+        async def idle() -> None:
+            while self.busy:
+                if self.current is not None and not self.current.done():
+                    await asyncio.gather(self.current, return_exceptions=True)
+                else:
+                    await self._native_done.wait()
+
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(idle())), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ------------------------------------------------------------------ integrity
+
+    async def mark_inconsistent(self, source: str, cause: str, resume_on_recovery: bool) -> None:
+        """Record a failed update that changed the model; abort what the paused engine holds (frozen ``keep``
+        requests and requests queued during the pause end with ``finish_reason: "abort"``)."""
+        first = self.inconsistent
+        self.inconsistent = Inconsistent(cause, source, time.time(),
+                                         resume_on_recovery or bool(first and first.resume_on_recovery))
+        metrics.WEIGHTS_INCONSISTENT.set(1)
+        log.error("weights are INCONSISTENT after a failed %s update: %s; generation stays paused until "
+                  "/update_weights or /reload_weights succeeds", source, cause)
+        try:
+            n = await asyncio.wait_for(self.state.abort(None), 30.0)
+            if n:
+                log.warning("aborted %d request(s) held by the paused engine (weights inconsistent)", n)
+        except Exception as e:  # noqa: BLE001 - the state is recorded either way
+            log.error("could not abort held requests: %s", e)
+
+    def check_consistent(self) -> None:
+        """Gate for new generate requests and /resume."""
+        if self.inconsistent is not None:
+            raise ApiError(503, self.inconsistent.message(), headers={"Retry-After": "5"})
+
+    async def _recovered(self) -> None:
+        bad_state = self.inconsistent
+        if bad_state is None:
+            return
+        self.inconsistent = None
+        metrics.WEIGHTS_INCONSISTENT.set(0)
+        log.info("weights are consistent again (the failed %s update is superseded)", bad_state.source)
+        if bad_state.resume_on_recovery:
+            # The failed update had paused the engine itself; nobody else will resume it.
+            await self.state.engine.resume()
+
+    # ------------------------------------------------------------------ disk and broadcast updates
 
     async def run(self, key: str | None, work: Callable[[], Awaitable[UpdateOutcome]],
                   version: str | None = None) -> UpdateOutcome:
         """Run ``work`` as the one update in progress, shielded from the caller's cancellation.
 
-        Same key as the running update → wait for it. Same key and version as the last applied one → no-op.
-        A different update while one runs → 409.
+        Same key as the running update → wait for it. Same key and version as the last applied one → no-op
+        (unless the weights are inconsistent: then it is a real update). A different update while one runs → 409.
         """
-        if key is not None and self.busy and key == self.current_key:
-            assert self.current is not None
+        if key is not None and self.current is not None and not self.current.done() and key == self.current_key:
             return await asyncio.shield(self.current)
         if key is not None and key == self.last_key and self.last_outcome is not None and \
-                (version is None or version == self.last_outcome.version):
+                self.inconsistent is None and (version is None or version == self.last_outcome.version):
             o = self.last_outcome
             log.info("weight update %s already applied (version %s): no-op", key, o.version)
             return UpdateOutcome(o.version, o.source, 0.0, 0, noop=True)
-        if self.busy or self.lock.locked():
-            raise ApiError(409, f"another weight update ({self.current_key or 'in progress'}) is running; "
-                                "retry when it has finished.")
+        self._refuse_if_busy()
         task = asyncio.ensure_future(self._locked(key, work))
         self.current, self.current_key = task, key
         return await asyncio.shield(task)
@@ -249,27 +351,49 @@ class WeightManager:
             self.last_key, self.last_outcome = key, outcome
             return outcome
 
-    async def apply(self, source: str, load: Callable[[], Awaitable[None]], version: str, nbytes: int) -> UpdateOutcome:
-        """Pause (``wait``) unless already paused, load, set the version, reset the prefix cache, resume."""
+    async def apply(self, source: str, load: Callable[[], Awaitable[list[Any] | None]], version: str, nbytes: int,
+                    what: str = "loading weights") -> UpdateOutcome:
+        """Pause (``wait``) unless already paused, load, set the version, reset the prefix cache, resume.
+
+        ``load`` raises the engine's own exception; a failure whose message lacks ``UNTOUCHED`` may have changed
+        the model, so it marks the weights inconsistent and the engine stays paused.
+        """
         eng = self.state.engine
         t0 = time.monotonic()
         paused_here = False
+        touched = False
         try:
             if not await eng.is_paused():
                 # In-flight requests finish on the old weights; new ones queue until resume.
                 await eng.pause(mode="wait", clear_cache=False)
                 paused_here = True
-            await load()
+            try:
+                results = await load()
+            except ApiError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                touched = UNTOUCHED not in str(e)
+                err = worker_error(e, what)
+                if touched:
+                    cause = err.message if err.message.startswith(what) else f"{what}: {err.message}"
+                    await self.mark_inconsistent(source, cause, paused_here)
+                self.state.check_engine()
+                raise err from None
+            touched = True
+            log_kept(results)
             await eng.set_weight_version(version)
             self.state.weight_version = version
             # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
             if not await eng.reset_prefix_cache(reset_running_requests=True):
                 log.warning("prefix cache could not be fully reset after the weight update")
-        except BaseException:
+            await self._recovered()
+        except BaseException as e:
             metrics.WEIGHT_UPDATES.labels(source, "error").inc()
+            if touched and self.inconsistent is None and not isinstance(e, asyncio.CancelledError):
+                await self.mark_inconsistent(source, f"after loading: {e}", paused_here)
             raise
         finally:
-            if paused_here:
+            if paused_here and self.inconsistent is None:
                 await eng.resume()
         dt = time.monotonic() - t0
         metrics.WEIGHT_UPDATES.labels(source, "ok").inc()
@@ -277,3 +401,51 @@ class WeightManager:
         metrics.WEIGHT_VERSION.info({"version": version})
         log.info("weights updated from %s: version=%s, %d bytes in %.3fs", source, version, nbytes, dt)
         return UpdateOutcome(version, source, dt, nbytes)
+
+    # ------------------------------------------------------------------ vLLM's native transfer
+
+    async def native(self, step: str, call: Callable[[], Awaitable[Any]], version: str | None = None) -> Any:
+        """One step of vLLM's native transfer (start | update | finish), under the same rules as the other updates.
+
+        ``start`` opens an update that holds off every other update (409) and /resume until ``finish``. An
+        ``update`` outside an open one is an update of its own. A failure at any step marks the weights
+        inconsistent (vLLM's workers may have changed the model) and closes the open update.
+        """
+        if step == "start":
+            self._refuse_if_busy()
+        elif step == "finish" and self.native_since is None:
+            raise ApiError(409, "no native weight update is open: call /start_weight_update first.")
+        elif self.lock.locked() or (self.current is not None and not self.current.done()):
+            raise ApiError(409, "another weight update step is running; retry when it has finished.")
+        if step == "start":
+            self.native_since = time.time()
+            self._native_done.clear()
+        task = asyncio.ensure_future(self._native_locked(step, call, version))
+        return await asyncio.shield(task)
+
+    async def _native_locked(self, step: str, call: Callable[[], Awaitable[Any]], version: str | None) -> Any:
+        async with self.lock:
+            try:
+                out = await call()
+            except BaseException as e:
+                self._close_native()
+                metrics.WEIGHT_UPDATES.labels("native", "error").inc()
+                if isinstance(e, ApiError) and step == "start":
+                    raise
+                err = e if isinstance(e, ApiError) else worker_error(e, f"{step}_weight_update")
+                await self.mark_inconsistent("native", f"{step}_weight_update: {err.message}", False)
+                raise err from None
+            if step == "finish" or (step == "update" and self.native_since is None):
+                self._close_native()
+                if version is not None:
+                    self.state.weight_version = version
+                    metrics.WEIGHT_VERSION.info({"version": version})
+                if not await self.state.engine.reset_prefix_cache(reset_running_requests=True):
+                    log.warning("prefix cache could not be fully reset after the weight update")
+                await self._recovered()
+                metrics.WEIGHT_UPDATES.labels("native", "ok").inc()
+            return out
+
+    def _close_native(self) -> None:
+        self.native_since = None
+        self._native_done.set()

@@ -56,13 +56,15 @@ async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wai
                  state: AppState = Depends(get_state)) -> Response:
     state.check_engine()
     mgr = state.weights
-    if mgr.busy and mgr.current is not None:
-        # Resuming mid-load would generate from half-updated weights: let the running update finish first.
+    if mgr.busy:
+        # Resuming mid-load would generate from half-updated weights: let the running update (disk, broadcast, or
+        # a native one until /finish_weight_update) finish first.
         log.info("resume waits for the running weight update")
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.gather(mgr.current, return_exceptions=True)), timeout)
-        except TimeoutError:
-            raise ApiError(409, f"a weight update is still running after {timeout:g}s; resume later.") from None
+        if not await mgr.wait_idle(timeout):
+            raise ApiError(409, f"a weight update is still running after {timeout:g}s; resume later.")
+    if mgr.inconsistent is not None:
+        # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
+        raise ApiError(409, f"{mgr.inconsistent.message()} before resuming; /resume is refused until then.")
     try:
         await _shielded(asyncio.ensure_future(state.engine.resume()), 60.0, "resume")
     except ApiError:

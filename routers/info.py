@@ -131,6 +131,9 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "paused": await _paused(state),
             "inflight": state.inflight,
             "weight_version": state.weight_version,
+            "weights_inconsistent": state.weights.inconsistent is not None,
+            "weights_inconsistent_detail": state.weights.inconsistent.body() if state.weights.inconsistent else None,
+            "weight_update_running": state.weights.busy,
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },

@@ -8,6 +8,7 @@ ones (``cache_config_info``, ``kv_cache_usage_perc``, ``num_requests_running/wai
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, Request
@@ -28,7 +29,8 @@ async def refresh_state_gauges(state: AppState) -> None:
     if state.engine.errored:
         return
     try:
-        PAUSED.set(1 if await state.engine.is_paused() else 0)
+        # Bounded: an engine busy in a blocking collective (a weight broadcast) must not hang the scrape.
+        PAUSED.set(1 if await asyncio.wait_for(state.engine.is_paused(), 2.0) else 0)
     except Exception as e:  # noqa: BLE001 - a scrape must not fail because the engine is busy dying
         log.debug("is_paused failed during scrape: %s", e)
 

@@ -146,14 +146,10 @@ async def _disk_update(state: AppState, directory: Path, version: str | None, so
         mgr.counter += 1
         label = derive_version(version, directory, mgr.counter)
 
-        async def load() -> None:
-            try:
-                await state.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)
-            except Exception as e:  # noqa: BLE001
-                state.check_engine()
-                raise worker_error(e, f"loading weights from {directory}") from None
+        async def load() -> list[Any]:
+            return await state.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)
 
-        return await mgr.apply(source, load, label, ck.total_bytes)
+        return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}")
 
     return await mgr.run(key, work, version)
 
@@ -212,16 +208,16 @@ async def _broadcast_update(state: AppState, directory: Path | None, req: DiskUp
         label = derive_version(req.weight_version, directory, mgr.counter)
         results: list[Any] = []
 
-        async def load() -> None:
+        async def load() -> list[Any]:
             try:
                 results.extend(await state.engine.receive_broadcast(spec, timeout))
-            except Exception as e:  # noqa: BLE001
-                state.check_engine()
+            except Exception as e:
                 if "group was dropped" in str(e):
                     mgr.broadcaster = None
-                raise worker_error(e, "receiving the weight broadcast") from None
+                raise
+            return results
 
-        out = await mgr.apply("broadcast", load, label, 0)
+        out = await mgr.apply("broadcast", load, label, 0, "receiving the weight broadcast")
         out.bytes = sum(int(r.get("bytes", 0)) for r in results if isinstance(r, dict))
         return out
 
@@ -243,10 +239,11 @@ def _require_transfer_engine(state: AppState) -> None:
 
 async def _native_update(state: AppState, body: dict[str, Any]) -> Response:
     _require_transfer_engine(state)
+    state.check_engine()
     info = body["update_info"]
     if not isinstance(info, (dict, list)):
         raise ApiError(400, "update_info must be an object (or a list of per-worker objects).", param="update_info")
-    await _engine_call(state, state.engine.update_weights(info), "update_weights")
+    await state.weights.native("update", lambda: state.engine.update_weights(info))
     return json_response({"message": "Weights updated"})
 
 
@@ -256,6 +253,9 @@ async def init_weight_transfer_engine(request: Request, state: AppState = Depend
     if not isinstance(body.get("init_info"), dict):
         raise ApiError(400, "body must be {\"init_info\": {...}}.", param="init_info")
     _require_transfer_engine(state)
+    mgr = state.weights
+    if mgr.busy or mgr.lock.locked():
+        raise ApiError(409, "a weight update is running; call /init_weight_transfer_engine when it has finished.")
     await _engine_call(state, state.engine.init_weight_transfer_engine(body["init_info"]),
                        "init_weight_transfer_engine")
     return json_response({"message": "Weight transfer initialized"})
@@ -265,7 +265,8 @@ async def init_weight_transfer_engine(request: Request, state: AppState = Depend
 async def start_weight_update(request: Request, state: AppState = Depends(get_state)) -> Response:
     await _json_body(request, required=False)  # every version's optional body is accepted
     _require_transfer_engine(state)
-    await _engine_call(state, state.engine.start_weight_update(), "start_weight_update")
+    state.check_engine()
+    await state.weights.native("start", state.engine.start_weight_update)
     return json_response({"message": "Weight update started"})
 
 
@@ -276,9 +277,8 @@ async def finish_weight_update(request: Request, state: AppState = Depends(get_s
     if version is not None and not isinstance(version, str):
         raise ApiError(400, "weight_version must be a string.", param="weight_version")
     _require_transfer_engine(state)
-    await _engine_call(state, state.engine.finish_weight_update(version), "finish_weight_update")
-    if version is not None:
-        _set_version(state, version)
+    state.check_engine()
+    await state.weights.native("finish", lambda: state.engine.finish_weight_update(version), version)
     return json_response({"message": "Weight update finished"})
 
 

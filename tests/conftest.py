@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
         log = tmp_path_factory.mktemp("logs") / f"{name}.log"
         server = ServerProcess(cmd, port, log, env=engine_env(env))
         try:
-            return server.start()
+            return server.start(timeout=float(os.environ.get("TITO_TEST_START_TIMEOUT", "240")))
         except RuntimeError:
             server.stop()  # no EngineCore left behind
             if attempt == 2 or "address already in use" not in server.log_text().lower():

@@ -8,6 +8,8 @@ then one flat tensor per dtype. Non-layer weights first, then one state dict per
     python -m tests.weight_sender --port P --world-size 2 --seed 7 --step-dir DIR [--step-dir DIR2 ...]
     --mode stall: announce two state dicts, then send nothing (tests tito's timeout)
     --mode evil:  send a pickle that names os.system (tests the restricted unpickler)
+    --mode die:   send the first --after state dicts of the update, then exit (a trainer that crashes mid-update)
+    --mode stall-after: send the first --after state dicts, then nothing (a trainer that hangs mid-update)
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def state_dicts(sd: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return [rest] + [layers[i] for i in sorted(layers)]
 
 
-def send_state_dicts(pg: Any, dicts: list[dict[str, torch.Tensor]]) -> None:
+def send_state_dicts(pg: Any, dicts: list[dict[str, torch.Tensor]], limit: int | None = None) -> None:
+    """Announce all ``dicts``; send the first ``limit`` of them (all by default)."""
     _bcast(pg, torch.tensor([len(dicts)], dtype=torch.int64))
-    for d in dicts:
+    for d in dicts[:limit]:
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for k, v in d.items():
             groups.setdefault(v.dtype, []).append((k, v))
@@ -80,7 +83,8 @@ def main() -> int:
     p.add_argument("--world-size", type=int, default=2, help="inference_world_size + 1")
     p.add_argument("--seed", type=int, action="append", default=[], help="one per step dir")
     p.add_argument("--step-dir", type=Path, action="append", default=[])
-    p.add_argument("--mode", choices=("ok", "stall", "evil"), default="ok")
+    p.add_argument("--mode", choices=("ok", "stall", "evil", "die", "stall-after"), default="ok")
+    p.add_argument("--after", type=int, default=2, help="state dicts sent before die / stall-after")
     p.add_argument("--timeout", type=float, default=120.0)
     a = p.parse_args()
     pg: Any = stateless_init_torch_distributed_process_group(a.host, a.port, 0, a.world_size, "gloo",
@@ -101,6 +105,14 @@ def main() -> int:
         sd = tiny_state_dict(a.seed[i])
         # A non-parameter buffer in a second dtype, as HF checkpoints of older trainers carry: must be skipped.
         sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.arange(32, dtype=torch.float64)
+        if a.mode in ("die", "stall-after"):
+            dicts = state_dicts(sd)
+            send_state_dicts(pg, dicts, limit=a.after)
+            print(f"sender: sent {a.after} of {len(dicts)} state dicts; mode {a.mode}", flush=True)
+            if a.mode == "die":
+                os._exit(3)  # no clean shutdown of the group: as a crashed trainer
+            time.sleep(a.timeout)
+            return 0
         send_state_dicts(pg, state_dicts(sd))
         print(f"sender: sent {step_dir.name}", flush=True)
     return 0
