@@ -167,12 +167,13 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     model_name = lora.lora_name if lora is not None else state.facts.name
     num_lp = params.logprobs
 
-    state.enter(request_id)
+    # The engine sees a unique id (clients may share theirs); the answer carries the client's, as vLLM's does.
+    engine_id = state.enter(request_id)
     try:
-        gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=salt, lora=lora,
+        gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=salt, lora=lora,
                                     priority=req.priority, data_parallel_rank=dp_rank)
     except BaseException:
-        state.leave(request_id)
+        state.leave(engine_id)
         raise
 
     if req.stream:
@@ -180,14 +181,14 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
         started: list[bool] = []
-        stream = _stream(state, gen, request_id, len(req.token_ids), params.n, num_lp, include_usage, continuous,
-                         req.token_ids if return_ids else None, started)
-        return _SseResponse(stream, state, request_id, started)
+        stream = _stream(state, gen, request_id, engine_id, len(req.token_ids), params.n, num_lp, include_usage,
+                         continuous, req.token_ids if return_ids else None, started)
+        return _SseResponse(stream, state, engine_id, started)
 
     try:
-        final = await _collect_or_disconnect(request, gen, request_id, state)
+        final = await _collect_or_disconnect(request, gen, engine_id, state)
     finally:
-        state.leave(request_id)
+        state.leave(engine_id)
     body = {
         "request_id": request_id,
         "model": model_name,
@@ -206,7 +207,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         "output_mode": "tokens",
         "choices": [_choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
     }
-    return Response(orjson.dumps(body), media_type=_JSON)
+    return Response(orjson.dumps(body), media_type=_JSON, headers={"X-Engine-Request-Id": engine_id})
 
 
 async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOutput], request_id: str,
@@ -260,7 +261,8 @@ class _SseResponse(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[bytes], state: AppState, request_id: str, started: list[bool]) -> None:
         super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  "X-Engine-Request-Id": request_id})
         self._slot = (state, request_id, started)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -273,8 +275,8 @@ class _SseResponse(StreamingResponse):
                 state.leave(request_id)
 
 
-async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, prompt_len: int, n: int,
-                  num_lp: int | None, include_usage: bool, continuous: bool,
+async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, engine_id: str, prompt_len: int,
+                  n: int, num_lp: int | None, include_usage: bool, continuous: bool,
                   prompt_ids: list[int] | None, started: list[bool]) -> AsyncIterator[bytes]:
     if started:  # _SseResponse already gave up on this stream
         return
@@ -318,11 +320,11 @@ async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id
         err = e if isinstance(e, ApiError) else _engine_error(state, e)
         yield _sse(err.body())
     finally:
-        state.leave(request_id)
+        state.leave(engine_id)
         if not finished:
             # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
             # suspended and would only abort when garbage-collected, so abort the request now.
-            _background(state.engine.abort(request_id))
+            _background(state.engine.abort(engine_id))
     yield b"data: [DONE]\n\n"
 
 
