@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,9 +42,13 @@ class ControlPlane:
         self.lock = asyncio.Lock()
         self.holder: str | None = None  # what holds the lock now, for error messages and /server_info
         self.queued = 0
+        self.updates = 0  # weight updates queued or running under the lock (guard)
         # Set by a /resume that arrives while a mode=wait pause is draining: that pause gives way.
         self._supersede: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.paused_mode: str | None = None  # the mode of the pause this plane applied last (None: resumed)
+        # The last transitions in the order they ran: (name, outcome), for /server_info and for tests.
+        self.history: deque[tuple[str, str]] = deque(maxlen=32)
 
     async def run(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None) -> T:
         """Run ``fn`` as the next transition, in its own task; ``wait`` bounds the time spent queued (409 then)."""
@@ -56,7 +61,11 @@ class ControlPlane:
         """``fn`` wrapped to run under the lock, for callers that already run in a task of their own (an update)."""
 
         async def guarded() -> T:
-            return await self._locked(name, fn, None)
+            self.updates += 1
+            try:
+                return await self._locked(name, fn, None)
+            finally:
+                self.updates -= 1
 
         return guarded
 
@@ -74,18 +83,29 @@ class ControlPlane:
         finally:
             self.queued -= 1
         self.holder = name
+        outcome = "error"
         try:
-            return await fn()
+            out = await fn()
+            outcome = "ok"
+            return out
+        except ApiError as e:
+            outcome = str(e.status)
+            raise
         finally:
+            self.history.append((name, outcome))
             self.holder = None
             self.lock.release()
+
+    def info(self) -> dict[str, Any]:
+        return {"running": self.holder, "queued": self.queued, "paused_mode": self.paused_mode,
+                "recent": [{"call": n, "outcome": o} for n, o in self.history]}
 
     # ------------------------------------------------------------------ transitions
 
     async def after_update(self, wait: float) -> None:
         """Wait (up to ``wait`` s, else 409) for a weight update that runs outside this queue (a retry joining it)."""
         mgr = self.state.weights
-        if mgr.busy and mgr.current is not None:
+        if mgr.busy and mgr.current is not None and not self.updates:
             log.info("control call waits for the running weight update")
             try:
                 await asyncio.wait_for(asyncio.shield(asyncio.gather(mgr.current, return_exceptions=True)), wait)
@@ -105,7 +125,7 @@ class ControlPlane:
         task = asyncio.ensure_future(eng.pause(mode=mode, clear_cache=clear_cache))
         if mode != "wait":
             await task  # abort and keep return as soon as the engine has frozen or aborted its requests
-            metrics.PAUSED.set(1)
+            self._paused(mode)
             return
         supersede = self._supersede = asyncio.Event()
         given_way = asyncio.ensure_future(supersede.wait())
@@ -116,7 +136,7 @@ class ControlPlane:
             self._supersede = None
         if task in done:
             task.result()  # raises the engine's error, if any
-            metrics.PAUSED.set(1)
+            self._paused(mode)
             return
         # Not drained in time, or a /resume came: cancel this pause. vLLM stops admitting at once and completes the
         # pause when the last request ends; resuming now (unless the engine was paused before this call) means
@@ -124,7 +144,9 @@ class ControlPlane:
         task.add_done_callback(_quiet)
         if not was_paused:
             await eng.resume()
-            metrics.PAUSED.set(0)
+            self._paused(None)
+        elif self.paused_mode == "keep":
+            await eng.pause(mode="keep", clear_cache=False)  # mode=wait had let the frozen requests step again
         if supersede.is_set():
             log.info("pause (mode=wait) superseded by a later /resume before it drained; cancelled")
             raise ApiError(409, "pause (mode=wait) was superseded by a later /resume before the engine drained; "
@@ -142,10 +164,15 @@ class ControlPlane:
                 await asyncio.wait_for(self.state.engine.resume(), ENGINE_CALL_TIMEOUT_S)
             except TimeoutError:
                 raise ApiError(504, f"resume did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
-            metrics.PAUSED.set(0)
+            self._paused(None)
 
         await self.after_update(wait)
         await self.run("resume", do, wait)
+
+
+    def _paused(self, mode: str | None) -> None:
+        self.paused_mode = mode
+        metrics.PAUSED.set(0 if mode is None else 1)
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:
