@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         server = ServerProcess(tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN)), port,
                                out / "bench-control-server.log", env=engine_env())
-        server.start()
+        server.start(timeout=900)
         url = server.url
     load = None
     try:

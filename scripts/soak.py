@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         cmd = tito_cmd(ckpts[0], port, "--max-model-len", str(MAX_MODEL_LEN), "--allowed-weight-root", str(out))
         server = ServerProcess(cmd, port, out / "soak-server.log", env=engine_env())
-        server.start()
+        server.start(timeout=900)
         url = server.url
     try:
         rep = asyncio.run(soak(url, ckpts, ns.updates, ns.streams, seed_requests=ns.seed_requests,

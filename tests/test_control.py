@@ -59,7 +59,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     try:
         first = _first_answers(s)
         with httpx.Client(base_url=s.url, timeout=5.0) as c:
-            wait_up = time.monotonic() + 240
+            wait_up = time.monotonic() + 900
             while c.get("/health").status_code != 200:
                 assert time.monotonic() < wait_up, s.log_tail()
                 assert s.proc.poll() is None, s.log_tail()
