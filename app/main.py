@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import multiprocessing
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +18,6 @@ from app import __version__
 from app.engine import Engine
 from app.metrics import RequestMetrics
 from app.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
-from app.sampling import configured_limits
 from app.security import install_security
 from app.settings import Settings
 from app.state import AppState
@@ -52,36 +49,51 @@ async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) ->
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
+    """Start: an injected engine is brought up before serving (tests); tito's own engine starts in the background
+    after uvicorn has bound the port (app/startup.py), and routes answer 503 "starting" until it is up. Stop: other
+    services, then in-flight requests are aborted, then the engine."""
+    from app.startup import bring_up, start_engine, stop_services
+
+    app.state.tito = None
+    app.state.starting_state = None
+    app.state.engine_build = None
     engine: Engine | None = app.state.engine_override
     owns_engine = engine is None
-    if engine is None:
-        engine = Engine.start(settings)
-    state = AppState(settings=settings, engine=engine)
-    # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
-    state.engine_processes = multiprocessing.active_children()
-    state.limits = configured_limits(state.limits, settings)
+    starter: asyncio.Future[AppState] | None = None
+    watcher: asyncio.Future[None] | None = None
+
+    def watch(task: asyncio.Future[AppState]) -> None:
+        nonlocal watcher
+        if not task.cancelled() and task.exception() is None:
+            watcher = asyncio.ensure_future(_watch_engine(app, task.result()))
+
     try:
-        if settings.warmup:
-            await engine.warmup()
-        # Everything allocated so far (vLLM, torch, the app) lives for the whole run: move it out of the cyclic GC's
-        # reach, so collections during serving only scan request garbage.
-        gc.collect()
-        gc.freeze()
-        state.ready = True
-        app.state.tito = state
-        watcher = asyncio.ensure_future(_watch_engine(app, state))
-        log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
+        if engine is None:
+            starter = asyncio.ensure_future(start_engine(app))
+            starter.add_done_callback(watch)
+        else:
+            watcher = asyncio.ensure_future(_watch_engine(app, await bring_up(app, engine)))
         yield
     finally:
-        state.begin_shutdown()
-        if "watcher" in locals():
+        state: AppState | None = app.state.tito or app.state.starting_state
+        if state is not None:
+            state.begin_shutdown()
+        if watcher is not None:
             watcher.cancel()
-        if state.inflight and not state.engine.errored:
+        build = app.state.engine_build
+        if build is not None and not build.done():
+            log.info("shutting down during start-up: waiting for the engine being built, to stop it")
+            await asyncio.gather(build, return_exceptions=True)
+        if starter is not None and not starter.done():
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+        await stop_services(app)
+        if state is not None and state.inflight and not state.engine.errored:
             log.info("shutting down: aborting %d request(s) still in flight", state.inflight)
             await state.abort()
-        if owns_engine:
-            engine.shutdown()
+        if owns_engine and build is not None and build.done() and not build.cancelled() \
+                and build.exception() is None:
+            build.result().shutdown()
             log.info("engine shut down")
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
-
-from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from typing import TYPE_CHECKING, Any
 
 from app.protocol import ApiError, GenerateRequest, WireSamplingParams, bad_request
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    # Imported where used: importing vLLM takes seconds, and the server binds its port before it (app/startup.py).
+    from vllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,9 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
             raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", sp + k)
     kwargs["max_tokens"] = max_tokens
     kwargs["detokenize"] = False
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     extra = dict(wire.extra_args or {})
     if req.kv_transfer_params is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from app.adapters import LoraEntry, LoraManager
+from app.control import ControlPlane
 from app.engine import Engine, EngineDead, EngineRejected, ModelFacts
 from app.metrics import DRAINING, INFLIGHT
 from app.protocol import ApiError
@@ -41,8 +42,12 @@ class AppState:
     engine_failure: dict[str, Any] | None = None
     # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
     engine_processes: list[BaseProcess] = field(default_factory=list)
-    # Engine request id ("generate-tokens-<client id>") → how many in-flight requests carry it.
-    live: dict[str, int] = field(default_factory=dict)
+    # In-flight requests: unique engine request id → the id the client sees ("generate-tokens-<client id>"), and
+    # that id → its engine ids. Clients may reuse an id; each request still gets its own engine id, so one client
+    # leaving (or an abort by engine id) ends only its own request.
+    live: dict[str, str] = field(default_factory=dict)
+    by_client: dict[str, set[str]] = field(default_factory=dict)
+    _seq: int = 0
     drain_started_at: float | None = None
     finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -56,6 +61,8 @@ class AppState:
         self.weights = WeightManager(self)
         # LoRA adapters: registry and load/unload orchestration (app/adapters.py).
         self.adapters = LoraManager(self)
+        # Pause/resume/update transitions: one at a time, in arrival order (app/control.py).
+        self.control = ControlPlane(self)
 
     @property
     def loras(self) -> dict[str, LoraEntry]:
@@ -131,17 +138,26 @@ class AppState:
 
     # ------------------------------------------------------------------ in-flight requests
 
-    def enter(self, request_id: str) -> None:
+    def enter(self, request_id: str) -> str:
+        """Count a request in flight under the id the client sees; returns its own, unique engine request id."""
+        self._seq += 1
+        engine_id = f"{request_id}-{self._seq:x}"
+        self.live[engine_id] = request_id
+        self.by_client.setdefault(request_id, set()).add(engine_id)
         self.inflight += 1
-        self.live[request_id] = self.live.get(request_id, 0) + 1
         INFLIGHT.inc()
         self._idle.clear()
+        return engine_id
 
-    def leave(self, request_id: str) -> None:
+    def leave(self, engine_id: str) -> None:
         self.inflight -= 1
-        n = self.live.pop(request_id, 1) - 1
-        if n > 0:
-            self.live[request_id] = n
+        client_id = self.live.pop(engine_id, None)
+        if client_id is not None:
+            ids = self.by_client.get(client_id)
+            if ids is not None:
+                ids.discard(engine_id)
+                if not ids:
+                    del self.by_client[client_id]
         INFLIGHT.dec()
         if self.draining or self.shutting_down:
             self.finished_since_drain += 1
@@ -159,13 +175,16 @@ class AppState:
             return False
 
     def resolve_ids(self, ids: list[str]) -> list[str]:
-        """Engine ids of in-flight requests named by the client's id or by the ``generate-tokens-`` id."""
-        out: list[str] = []
+        """Engine ids of the in-flight requests named by ``ids``: a client id or the ``generate-tokens-`` id names
+        every request that carries it; a unique engine id (``X-Engine-Request-Id``) names that one request."""
+        out: dict[str, None] = {}
         for rid in ids:
+            if rid in self.live:
+                out[rid] = None
             for cand in (rid, GENERATE_PREFIX + rid):
-                if cand in self.live and cand not in out:
-                    out.append(cand)
-        return out
+                for eid in sorted(self.by_client.get(cand, ())):
+                    out[eid] = None
+        return list(out)
 
     async def abort(self, ids: list[str] | None = None) -> int:
         """Abort in-flight generate requests (all when ``ids`` is None); returns how many requests were hit.
@@ -175,10 +194,9 @@ class AppState:
         targets = list(self.live) if ids is None else self.resolve_ids(ids)
         if not targets:
             return 0
-        n = sum(self.live.get(t, 0) for t in targets)
         if not self.engine.errored:
             await self.engine.abort(targets)
-        return n
+        return len(targets)
 
     # ------------------------------------------------------------------ drain
 
@@ -218,5 +236,13 @@ async def get_state(request: Request) -> AppState:
     ``def`` dependency in a worker thread, a thread hop per request that cost ~17% of the hot path under load."""
     state: AppState | None = getattr(request.app.state, "tito", None)
     if state is None:
-        raise ApiError(503, "server is starting")
+        raise not_started(request)
     return state
+
+
+def not_started(request: Request) -> ApiError:
+    """The answer of every route that needs the engine before it is up (app/startup.py)."""
+    failed = getattr(request.app.state, "start_error", None)
+    if failed:
+        return ApiError(503, f"server failed to start: {failed}")
+    return ApiError(503, "server is starting", headers={"Retry-After": "5"})

@@ -1,11 +1,11 @@
 """Generation control for RL trainers: ``POST /pause``, ``POST /resume``, ``GET /is_paused`` (vLLM's routes and shapes).
 
-Engine calls are shielded: a client that disconnects or times out does not leave the engine half-paused.
+Pause, resume and weight updates run one at a time in arrival order (``app/control.py`` says what concurrent calls
+do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Literal
 
@@ -22,29 +22,22 @@ router = APIRouter(tags=["control"])
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-async def _shielded(aw: asyncio.Future[object] | asyncio.Task[object], timeout: float, what: str) -> object:
-    """Await an engine call that must complete even if this request is cancelled; a timeout is a 504."""
-    try:
-        return await asyncio.wait_for(asyncio.shield(aw), timeout)
-    except TimeoutError:
-        raise ApiError(504, f"{what} did not finish within {timeout:g}s; it continues on the server.") from None
-
-
 @router.post("/pause", responses=ERROR_RESPONSES, summary="Pause generation (abort | wait | keep in-flight requests)")
 async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True),
-                timeout: float = Query(300.0, gt=0, description="Seconds to wait for mode=wait to drain."),
+                timeout: float = Query(300.0, gt=0, description="Seconds to wait for earlier control calls and, with "
+                                                                "mode=wait, for the drain; a drain that does not end "
+                                                                "in time is cancelled (504)."),
                 state: AppState = Depends(get_state)) -> Response:
     state.check_engine()
-    # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
-    task = asyncio.ensure_future(state.engine.pause(mode=mode, clear_cache=clear_cache and mode != "keep"))
-    metrics.PAUSED.set(1)
     try:
-        await _shielded(task, timeout, f"pause (mode={mode})")
+        # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
+        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
     except ApiError:
         raise
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
+        state.check_engine()
         log.exception("pause failed")
         raise ApiError(500, f"Failed to pause generation: {e}") from None
     log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
@@ -52,27 +45,19 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
 
 
 @router.post("/resume", responses=ERROR_RESPONSES, summary="Resume generation")
-async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update."),
+async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
+                                                                 "earlier control calls (409 after that)."),
                  state: AppState = Depends(get_state)) -> Response:
     state.check_engine()
-    mgr = state.weights
-    if mgr.busy:
-        # Resuming mid-load would generate from half-updated weights: let the running update (disk, broadcast, or
-        # a native one until /finish_weight_update) finish first.
-        log.info("resume waits for the running weight update")
-        if not await mgr.wait_idle(timeout):
-            raise ApiError(409, f"a weight update is still running after {timeout:g}s; resume later.")
-    if mgr.inconsistent is not None:
-        # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
-        raise ApiError(409, f"{mgr.inconsistent.message()} before resuming; /resume is refused until then.")
     try:
-        await _shielded(asyncio.ensure_future(state.engine.resume()), 60.0, "resume")
+        # Resuming mid-load would generate from half-updated weights: a running update finishes first.
+        await state.control.resume(timeout)
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001
+        state.check_engine()
         log.exception("resume failed")
         raise ApiError(500, f"Failed to resume generation: {e}") from None
-    metrics.PAUSED.set(0)
     log.info("generation resumed")
     return json_response({"status": "resumed"})
 

@@ -158,21 +158,22 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     model_name = req.model if lora is not None else state.facts.name
     num_lp = params.logprobs
 
-    state.enter(request_id)
+    # The engine sees a unique id (clients may share theirs); the answer carries the client's, as vLLM's does.
+    engine_id = state.enter(request_id)
     try:
-        gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=salt, lora=lora,
+        gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=salt, lora=lora,
                                     priority=req.priority, data_parallel_rank=dp_rank)
     except BaseException:
-        state.leave(request_id)
+        state.leave(engine_id)
         raise
 
     if req.stream:
-        return _SseResponse(_Stream(state, gen, request_id, req, params.n, num_lp, return_ids))
+        return _SseResponse(_Stream(state, gen, request_id, engine_id, req, params.n, num_lp, return_ids))
 
     try:
-        final = await _collect_or_disconnect(request, gen, request_id, state)
+        final = await _collect_or_disconnect(request, gen, engine_id, state)
     finally:
-        state.leave(request_id)
+        state.leave(engine_id)
     body = {
         "request_id": request_id,
         "model": model_name,
@@ -191,7 +192,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         "output_mode": "tokens",
         "choices": [_choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
     }
-    return Response(orjson.dumps(body), media_type=_JSON)
+    return Response(orjson.dumps(body), media_type=_JSON, headers={"X-Engine-Request-Id": engine_id})
 
 
 async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOutput], request_id: str,
@@ -243,12 +244,13 @@ class _Stream:
     """One streamed answer: turns the engine's delta outputs into SSE chunks and owns the request's in-flight slot,
     released exactly once: by the stream when it runs, or by ``_SseResponse`` when the client left before it did."""
 
-    __slots__ = ("state", "gen", "request_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
+    __slots__ = ("state", "gen", "request_id", "engine_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
                  "prompt_ids", "started")
 
-    def __init__(self, state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, req: GenerateRequest,
-                 n: int, num_lp: int | None, return_ids: bool) -> None:
-        self.state, self.gen, self.request_id = state, gen, request_id
+    def __init__(self, state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, engine_id: str,
+                 req: GenerateRequest, n: int, num_lp: int | None, return_ids: bool) -> None:
+        # request_id is what the client sees; engine_id the request's own id in the engine and in AppState.live.
+        self.state, self.gen, self.request_id, self.engine_id = state, gen, request_id, engine_id
         self.prompt_len, self.n, self.num_lp = len(req.token_ids), n, num_lp
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
@@ -259,7 +261,7 @@ class _Stream:
     def release_unstarted(self) -> None:
         if not self.started:
             self.started = True
-            self.state.leave(self.request_id)
+            self.state.leave(self.engine_id)
 
     async def events(self) -> AsyncIterator[bytes]:
         if self.started:  # _SseResponse already gave up on this stream
@@ -307,11 +309,11 @@ class _Stream:
             err = e if isinstance(e, ApiError) else _engine_error(state, e)
             yield _sse(err.body())
         finally:
-            state.leave(request_id)
+            state.leave(self.engine_id)
             if not finished:
                 # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
                 # suspended and would only abort when garbage-collected, so abort the request now.
-                _background(state.engine.abort(request_id))
+                _background(state.engine.abort(self.engine_id))
         yield b"data: [DONE]\n\n"
 
 
@@ -321,7 +323,8 @@ class _SseResponse(StreamingResponse):
 
     def __init__(self, stream: _Stream) -> None:
         super().__init__(stream.events(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  "X-Engine-Request-Id": stream.engine_id})
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

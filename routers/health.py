@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from app.protocol import json_response
-from app.state import AppState, get_state
+from app.state import AppState, not_started
 
 router = APIRouter(tags=["health"])
 
@@ -22,22 +22,40 @@ def _phase(state: AppState) -> str:
     return "serving"
 
 
+def _state(request: Request) -> AppState | None:
+    # Not the get_state dependency: the probes answer in their own shapes while the engine starts.
+    return getattr(request.app.state, "tito", None)
+
+
+def _starting(request: Request, body: dict[str, Any]) -> Response:
+    err = not_started(request)
+    return json_response(body, 503, err.headers)
+
+
 def dead_body(state: AppState) -> dict[str, Any]:
     cause = state.engine_death_cause()
     since = (state.engine_failure or {}).get("time", time.time())
     return {"status": "dead", "error": f"engine is dead: {cause}", "since": since}
 
 
-@router.get("/health", summary="Engine alive? 200 while it is (also draining or paused), 503 once it is dead")
-async def health(state: AppState = Depends(get_state)) -> Response:
+@router.get("/health", summary="Engine alive? 200 while it is (also draining or paused); 503 while it starts and "
+                               "once it is dead")
+async def health(request: Request) -> Response:
     # A flag check, no engine call: Prime-RL polls this every second for up to 30 minutes at start-up.
+    state = _state(request)
+    if state is None:
+        failed = getattr(request.app.state, "start_error", None)
+        return _starting(request, {"status": "failed", "error": failed} if failed else {"status": "starting"})
     if state.engine.errored:
         return json_response(dead_body(state), 503)
     return json_response({"status": "ok", "state": _phase(state), "inflight": state.inflight})
 
 
 @router.get("/liveness", summary="Round trip through the engine and its workers (no-op utility call)")
-async def liveness(state: AppState = Depends(get_state)) -> Response:
+async def liveness(request: Request) -> Response:
+    state = _state(request)
+    if state is None:
+        return _starting(request, {"status": "starting", "error": not_started(request).message})
     # Catches a hung engine, which /health cannot see. Prime-RL's route, same answers.
     if state.engine.errored:
         return json_response({"status": "engine_unresponsive", "error": dead_body(state)["error"]}, 503)
@@ -53,7 +71,10 @@ async def liveness(state: AppState = Depends(get_state)) -> Response:
 
 
 @router.get("/ready", summary="200 only while the engine is up and the server admits new work")
-async def ready(state: AppState = Depends(get_state)) -> Response:
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    if state is None:
+        return _starting(request, {"status": "not_ready", "reason": "starting"})
     reason = state.not_ready_reason
     if reason is not None:
         return json_response({"status": "not_ready", "reason": reason}, 503)

@@ -129,6 +129,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "draining": state.draining,
             "shutting_down": state.shutting_down,
             "paused": await _paused(state),
+            "control": state.control.info(),  # pause/resume/update queue (app/control.py)
             "inflight": state.inflight,
             "weight_version": state.weight_version,
             "weights_inconsistent": state.weights.inconsistent is not None,

@@ -151,7 +151,8 @@ async def _disk_update(state: AppState, directory: Path, version: str | None, so
 
         return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}")
 
-    return await mgr.run(key, work, version)
+    # Under the control lock: pause/resume calls sent meanwhile run after the update, in order (app/control.py).
+    return await mgr.run(key, state.control.guard(f"weight update ({source})", work), version)
 
 
 # ------------------------------------------------------------------------------------------ broadcast
@@ -221,7 +222,7 @@ async def _broadcast_update(state: AppState, directory: Path | None, req: DiskUp
         out.bytes = sum(int(r.get("bytes", 0)) for r in results if isinstance(r, dict))
         return out
 
-    return await mgr.run(key, work, req.weight_version)
+    return await mgr.run(key, state.control.guard("weight update (broadcast)", work), req.weight_version)
 
 
 # ------------------------------------------------------------------------------------------ vLLM native routes

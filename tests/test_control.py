@@ -1,0 +1,314 @@
+"""The control plane on a real engine: start-up answers, pause/resume/update ordering, independent shared client ids.
+
+One server for the module (the tiny model with a long context), started here so the test sees its first seconds:
+the port must answer 503 "starting" long before the engine is up. The requests that must stay in flight are endless
+(``ENDLESS`` tokens, more than any machine generates within a test); only an abort ends them, so every check that
+needs "still running" holds however fast or slow the machine is. Waits are on server-side facts (``/is_paused``,
+the control queue in ``/server_info``, tito's in-flight count), never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+from tests.streaming import GEN, async_client, inflight, long_context_model, wait_for
+
+ENDLESS = 60000
+CONTEXT = ENDLESS + 96
+
+
+def _first_answers(s: ServerProcess, timeout: float = 240.0) -> dict[str, httpx.Response]:
+    """Poll until the port answers; then ask every kind of route while the engine is still starting."""
+    assert s.proc is not None
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=s.url, timeout=5.0) as c:
+        while time.monotonic() < deadline:
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {s.proc.returncode}:\n{s.log_tail()}")
+            try:
+                h = c.get("/health")
+            except httpx.HTTPError:
+                time.sleep(0.1)
+                continue
+            return {"health": h, "ready": c.get("/ready"), "liveness": c.get("/liveness"),
+                    "generate": c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
+                    "pause": c.post("/pause"), "health_again": c.get("/health")}
+    raise RuntimeError(f"port never answered:\n{s.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, httpx.Response]]]:
+    model = long_context_model(tmp_path_factory.mktemp("control-model") / "tiny-long", CONTEXT)
+    port = free_port()
+    cmd = tito_cmd(model, port, "--max-model-len", str(CONTEXT), "--allowed-weight-root",
+                   str(tmp_path_factory.getbasetemp()))
+    s = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "control.log", env=engine_env())
+    s._log = open(s.log_path, "wb")  # noqa: SIM115 - closed by stop()
+    s.proc = subprocess.Popen(s.cmd, stdout=s._log, stderr=subprocess.STDOUT, env=s.env, cwd=str(Path.cwd()),
+                              process_group=0)
+    try:
+        first = _first_answers(s)
+        with httpx.Client(base_url=s.url, timeout=5.0) as c:
+            wait_up = time.monotonic() + 900
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < wait_up, s.log_tail()
+                assert s.proc.poll() is None, s.log_tail()
+                time.sleep(0.5)
+        yield s, first
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(started: tuple[ServerProcess, dict[str, httpx.Response]]) -> ServerProcess:
+    return started[0]
+
+
+def test_port_answers_503_starting_before_the_engine_is_up(started: tuple[ServerProcess, dict[str, Any]]) -> None:
+    _, a = started
+    assert a["health"].status_code == 503 and a["health"].json() == {"status": "starting"}
+    assert a["ready"].status_code == 503 and a["ready"].json() == {"status": "not_ready", "reason": "starting"}
+    assert a["liveness"].status_code == 503 and a["liveness"].json()["status"] == "starting"
+    g = a["generate"]
+    assert g.status_code == 503 and int(g.headers["retry-after"]) > 0
+    assert g.json()["error"]["message"] == "server is starting"
+    assert a["pause"].status_code == 503 and a["pause"].json()["error"]["message"] == "server is starting"
+    # Still starting a moment later: these answers came well before the engine was up, not at its very end.
+    assert a["health_again"].status_code == 503
+
+
+def test_engine_start_failure_exits_nonzero_with_the_cause(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    port = free_port()
+    s = ServerProcess(tito_cmd(bad, port), port, tmp_path / "bad.log", env=engine_env())
+    s._log = open(s.log_path, "wb")  # noqa: SIM115 - closed by stop()
+    s.proc = subprocess.Popen(s.cmd, stdout=s._log, stderr=subprocess.STDOUT, env=s.env, cwd=str(Path.cwd()),
+                              process_group=0)
+    try:
+        code = s.proc.wait(240)
+        assert code == 3, s.log_tail()
+        assert "engine failed to start" in s.log_text() and "no-such-architecture" in s.log_text()
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+class Stream:
+    """One endless SSE request read in the background; its tokens and headers are visible while it runs."""
+
+    def __init__(self, c: httpx.AsyncClient, prompt: int, *, headers: dict[str, str] | None = None,
+                 body_id: str | None = None) -> None:
+        body: dict[str, Any] = {"token_ids": [1 + prompt, 2, 3], "stream": True,
+                                "sampling_params": {"max_tokens": ENDLESS, "temperature": 0, "ignore_eos": True}}
+        if body_id is not None:
+            body["request_id"] = body_id
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.ids: set[str] = set()
+        self.engine_id = ""
+        self.first = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run(c, body, headers))
+
+    async def _run(self, c: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str] | None) -> None:
+        async with c.stream("POST", GEN, json=body, headers=headers) as r:
+            assert r.status_code == 200
+            self.engine_id = r.headers["x-engine-request-id"]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                self.ids.add(ev["request_id"])
+                for ch in ev["choices"]:
+                    self.tokens += ch["token_ids"]
+                    self.finish = ch["finish_reason"] or self.finish
+                self.first.set()
+
+    async def grows(self) -> None:
+        """Wait until this stream has produced more tokens than it has now (it is generating)."""
+        n = len(self.tokens)
+
+        async def more() -> bool:
+            return len(self.tokens) > n
+
+        await wait_for(more, 120, interval=0.02)
+
+
+async def _control(c: httpx.AsyncClient) -> dict[str, Any]:
+    return dict((await c.get("/server_info")).json()["state"]["control"])
+
+
+async def _paused(c: httpx.AsyncClient) -> bool:
+    return bool((await c.get("/is_paused")).json()["is_paused"])
+
+
+async def _cleanup(c: httpx.AsyncClient, streams: list[Stream]) -> None:
+    await c.post("/resume")
+    await c.post("/abort_requests", json={})
+    for s in streams:
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+
+    async def idle() -> bool:
+        return await inflight(c) == 0
+
+    await wait_for(idle, 30)
+
+
+# ------------------------------------------------------------------------------------------------ shared ids
+
+
+def test_requests_sharing_a_client_id_are_independent(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            streams: list[Stream] = []
+            try:
+                a = Stream(c, 1, headers={"X-Request-Id": "twin"})
+                b = Stream(c, 2, body_id="twin")
+                streams += [a, b]
+                await asyncio.wait_for(asyncio.gather(a.first.wait(), b.first.wait()), 120)
+                assert a.ids == b.ids == {"generate-tokens-twin"}  # the answer keeps the client's id
+                assert a.engine_id != b.engine_id and a.engine_id.startswith("generate-tokens-twin-")
+
+                # One client leaves: only its request ends; the other keeps generating.
+                a.task.cancel()
+                await asyncio.gather(a.task, return_exceptions=True)
+                await wait_for(lambda: _inflight_is(c, 1), 30)
+                await b.grows()
+
+                # An abort by engine id ends exactly that request.
+                c1 = Stream(c, 3, headers={"X-Request-Id": "twin"})
+                streams.append(c1)
+                await asyncio.wait_for(c1.first.wait(), 120)
+                r = await c.post("/abort_requests", json={"request_ids": [b.engine_id]})
+                assert r.json() == {"status": "aborted", "aborted": 1}
+                await asyncio.wait_for(b.task, 60)
+                assert b.finish == "abort"
+                await c1.grows()
+                assert not c1.task.done()
+
+                # An abort by the client's id ends every request that carries it.
+                d = Stream(c, 4, body_id="twin")
+                streams.append(d)
+                await asyncio.wait_for(d.first.wait(), 120)
+                r = await c.post("/abort_requests", json={"request_ids": ["twin"]})
+                assert r.json() == {"status": "aborted", "aborted": 2}
+                await asyncio.wait_for(asyncio.gather(c1.task, d.task), 60)
+                assert c1.finish == d.finish == "abort"
+            finally:
+                await _cleanup(c, streams)
+
+    asyncio.run(run())
+
+
+async def _inflight_is(c: httpx.AsyncClient, k: int) -> bool:
+    return await inflight(c) == k
+
+
+# ------------------------------------------------------------------------------------------------ pause/resume
+
+
+def test_a_timed_out_pause_wait_is_cancelled(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            streams: list[Stream] = []
+            try:
+                s = Stream(c, 5)
+                streams.append(s)
+                await asyncio.wait_for(s.first.wait(), 120)
+                r = await c.post("/pause", params={"mode": "wait", "timeout": 1})
+                assert r.status_code == 504 and "cancelled" in r.json()["error"]["message"], r.text
+                # Nothing of the pause is left: not paused, the request generates, new requests are admitted.
+                assert not await _paused(c)
+                await s.grows()
+                ok = await c.post(GEN, json={"token_ids": [7, 8], "sampling_params": {"max_tokens": 3}})
+                assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+                assert (await _control(c))["recent"][-1] == {"call": "pause (mode=wait)", "outcome": "504"}
+            finally:
+                await _cleanup(c, streams)
+
+    asyncio.run(run())
+
+
+def test_resume_supersedes_a_draining_pause(server: ServerProcess) -> None:
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            streams: list[Stream] = []
+            try:
+                s = Stream(c, 6)
+                streams.append(s)
+                await asyncio.wait_for(s.first.wait(), 120)
+                pause = asyncio.ensure_future(c.post("/pause", params={"mode": "wait", "timeout": 600}))
+                await wait_for(lambda: _paused(c), 60)  # admission stopped: the pause is draining
+                r = await c.post("/resume")
+                assert r.status_code == 200, r.text
+                p = await asyncio.wait_for(pause, 60)
+                assert p.status_code == 409 and "superseded" in p.json()["error"]["message"], p.text
+                assert not await _paused(c)  # the last call won
+                await s.grows()
+                recent = (await _control(c))["recent"][-2:]
+                assert recent == [{"call": "pause (mode=wait)", "outcome": "409"}, {"call": "resume", "outcome": "ok"}]
+            finally:
+                await _cleanup(c, streams)
+
+    asyncio.run(run())
+
+
+def test_pause_update_and_resume_run_in_arrival_order(server: ServerProcess, tmp_path_factory:
+                                                      pytest.TempPathFactory) -> None:
+    ckpt = long_context_model(tmp_path_factory.mktemp("control-ckpt") / "step_1", CONTEXT)
+
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            streams: list[Stream] = []
+            try:
+                s = Stream(c, 7)
+                streams.append(s)
+                await asyncio.wait_for(s.first.wait(), 120)
+                # The drain of this pause cannot end while the endless request runs: it holds the control lock.
+                pause_wait = asyncio.ensure_future(c.post("/pause", params={"mode": "wait", "timeout": 600}))
+                await wait_for(lambda: _running(c, "pause (mode=wait)"), 60)
+                update = asyncio.ensure_future(c.post("/update_weights", json={"weight_dir": str(ckpt),
+                                                                                "weight_version": "ordered-1"}))
+                await wait_for(lambda: _queued(c, 1), 60)
+                keep = asyncio.ensure_future(c.post("/pause", params={"mode": "keep"}))
+                await wait_for(lambda: _queued(c, 2), 60)
+                assert not pause_wait.done() and not update.done() and not keep.done()
+                # Ending the request lets the drain finish; the queue then runs in arrival order.
+                r = await c.post("/abort_requests", json={"request_ids": [s.engine_id]})
+                assert r.json()["aborted"] == 1
+                answers = await asyncio.wait_for(asyncio.gather(pause_wait, update, keep), 120)
+                assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+                assert answers[1].json()["weight_version"] == "ordered-1"
+                recent = [x["call"] for x in (await _control(c))["recent"][-3:]]
+                assert recent == ["pause (mode=wait)", "weight update (disk)", "pause (mode=keep)"]
+                # The pause sent during the update holds: the update did not resume the engine under it.
+                assert await _paused(c)
+                assert (await c.post("/resume")).status_code == 200
+                assert not await _paused(c)
+            finally:
+                await _cleanup(c, streams)
+
+    asyncio.run(run())
+
+
+async def _running(c: httpx.AsyncClient, name: str) -> bool:
+    return (await _control(c))["running"] == name
+
+
+async def _queued(c: httpx.AsyncClient, k: int) -> bool:
+    return int((await _control(c))["queued"]) >= k
