@@ -36,6 +36,22 @@ async def serve(engine: FakeEngine | None = None, **settings: Any) -> AsyncItera
             yield c, engine
 
 
+def test_the_fake_has_the_adapters_interface() -> None:
+    """Every public method and property of app.engine.Engine, with the same parameter names: the fake cannot drift."""
+    import inspect
+
+    from app.engine import Engine
+
+    for name, member in vars(Engine).items():
+        if name.startswith("_") or name == "start":
+            continue
+        fake = getattr(FakeEngine, name, None)
+        assert fake is not None, f"FakeEngine lacks {name}"
+        if callable(member) and not isinstance(member, property):
+            fn = member.__func__ if isinstance(member, staticmethod) else member
+            assert list(inspect.signature(fake).parameters) == list(inspect.signature(fn).parameters), name
+
+
 def _sse(text: str) -> list[Any]:
     return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in text.splitlines() if line]
 
