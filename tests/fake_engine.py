@@ -165,7 +165,31 @@ class FakeEngine:
         self.calls.append(("remove_lora", lora_id))
         return True
 
-    # ------------------------------------------------------------------ weights and facts
+    # ------------------------------------------------------------------ weights and facts (recorded; no model here)
+
+    async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:
+        return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
+
+    async def init_broadcaster(self, **kw: Any) -> list[Any]:
+        return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)
+
+    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float) -> list[Any]:
+        return await self.collective_rpc("tito_receive_broadcast", kwargs={"expected": expected, "timeout": timeout})
+
+    async def close_broadcaster(self) -> list[Any]:
+        return await self.collective_rpc("tito_close_broadcaster")
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init_weight_transfer_engine", init_info))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start_weight_update", None))
+
+    async def update_weights(self, update_info: Any) -> None:
+        self.calls.append(("update_weights", update_info))
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        self.calls.append(("finish_weight_update", weight_version))
 
     @property
     def weight_transfer_backend(self) -> str | None:

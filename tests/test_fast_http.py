@@ -36,6 +36,22 @@ async def serve(engine: FakeEngine | None = None, **settings: Any) -> AsyncItera
             yield c, engine
 
 
+def test_the_fake_has_the_adapters_interface() -> None:
+    """Every public method and property of app.engine.Engine, with the same parameter names: the fake cannot drift."""
+    import inspect
+
+    from app.engine import Engine
+
+    for name, member in vars(Engine).items():
+        if name.startswith("_") or name == "start":
+            continue
+        fake = getattr(FakeEngine, name, None)
+        assert fake is not None, f"FakeEngine lacks {name}"
+        if callable(member) and not isinstance(member, property):
+            fn = member.__func__ if isinstance(member, staticmethod) else member
+            assert list(inspect.signature(fake).parameters) == list(inspect.signature(fn).parameters), name
+
+
 def _sse(text: str) -> list[Any]:
     return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in text.splitlines() if line]
 
@@ -230,3 +246,27 @@ async def test_client_against_the_app() -> None:
             with pytest.raises(TitoError) as e:
                 await bad.generate([1])
             assert e.value.status == 401
+
+
+async def test_status_capture_feeds_the_request_counter_and_the_request_log(caplog: pytest.LogCaptureFixture) -> None:
+    """One status-capturing send (app.metrics.StatusSend) serves both middlewares."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    from app.reqlog import RequestLog
+
+    def count(route: str, status: str) -> float:
+        return REGISTRY.get_sample_value("tito_requests_total", {"route": route, "status": status}) or 0.0
+
+    async with serve() as (c, _):
+        # As `tito serve --log-requests` mounts it (before the first request builds the middleware stack).
+        c._transport.app.add_middleware(RequestLog)  # type: ignore[attr-defined]
+        before_ok, before_bad = count(GEN, "200"), count(GEN, "400")
+        with caplog.at_level(logging.INFO, logger="tito.request"):
+            assert (await c.post(GEN, json=OK, headers={"X-Request-Id": "logme"})).status_code == 200
+            assert (await c.post(GEN, json={"token_ids": []})).status_code == 400
+        assert count(GEN, "200") == before_ok + 1 and count(GEN, "400") == before_bad + 1
+        lines = [(r.getMessage(), getattr(r, "request_id", None)) for r in caplog.records if r.name == "tito.request"]
+        assert lines[0][0].startswith(f"POST {GEN} 200 ") and lines[0][1] == "generate-tokens-logme"
+        assert lines[1][0].startswith(f"POST {GEN} 400 ")
