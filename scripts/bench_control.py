@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     load = None
     try:
         idle = asyncio.run(probe(url, ns.seconds))
-        wl = Workload("control", ns.streams, ns.max_tokens, True, 10_000_000, "p99")
+        # Enough requests to outlast the probes (the load generator builds every body up front).
+        wl = Workload("control", ns.streams, ns.max_tokens, True, ns.streams * 200, "p99")
         load = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url,
                                  json.dumps(asdict(wl))], stdout=subprocess.DEVNULL,
                                 stderr=open(out / "bench-control-load.log", "ab"),  # noqa: SIM115

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ def _soak_module():  # noqa: ANN202 - the script's module
     spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
