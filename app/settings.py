@@ -67,6 +67,10 @@ FLAGS: list[Flag] = [
          "Fix the number of KV cache blocks (vLLM's num_gpu_blocks_override): caps KV memory exactly; small values "
          "make the scheduler preempt under load."),
     Flag("kv_cache_space_gib", float, 1.0, "CPU only: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE if unset)."),
+    Flag("block_size", int, None, "Tokens per KV cache block (default: vLLM's; 128 on CPU, where it must be a "
+         "multiple of 32)."),
+    Flag("kv_events_port", int, None, "Publish KV-cache events (vLLM's ZMQ publisher) on this port, data-parallel "
+         "rank r on port+r, for Dynamo's KV router; 0 picks free ports. Unset: off."),
     Flag("enable_lora", _bool, False, "Serve LoRA adapters."),
     Flag("max_lora_rank", int, 16, "Largest LoRA rank an adapter may have."),
     Flag("max_loras", int, 4, "LoRA adapters in one batch."),
@@ -129,6 +133,8 @@ class Settings:
     gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
     kv_cache_space_gib: float = 1.0
+    block_size: int | None = None
+    kv_events_port: int | None = None
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 4
