@@ -1,16 +1,19 @@
-"""Dynamo RL discovery: make a running tito findable by a Dynamo frontend (``GET /v1/rl/workers``).
+"""tito behind Dynamo: its frontend serves OpenAI completions and chat through tito replicas, routes by KV cache,
+and lists them for trainers (``GET /v1/rl/workers``).
 
 Dynamo's frontend speaks its own request plane, never plain HTTP, so tito joins through the ``ai-dynamo-runtime``
 bindings (optional extra ``dynamo``), as a small adapter process beside tito (``tito dynamo-register``, or started by
 ``tito serve --dynamo-namespace NS``). It serves two endpoints in ``<namespace>.<component>``:
 
-- ``generate``: forwards token requests to tito's HTTP API. Dynamo's preprocessed shape (``token_ids``,
-  ``sampling_options``, ``stop_conditions``, ``output_options``) is streamed as Dynamo chunks; a vLLM-shaped body
-  (with ``sampling_params``) is posted as is and its JSON answer returned.
+- ``generate``: forwards token requests to tito's HTTP API (app/dynamo_wire.py translates). Dynamo's preprocessed
+  shape (``token_ids``, ``sampling_options``, ``stop_conditions``, ``output_options``) is streamed as Dynamo chunks;
+  a vLLM-shaped body (with ``sampling_params``) is posted as is and its JSON answer returned. The model card claims
+  Chat + Completions when the model dir has tokenizer files (the frontend tokenizes), nothing (discovery only)
+  without; with tito's ``--kv-events-port`` the engine's KV-cache events are relayed to Dynamo's KV router.
 - ``rl``: answers ``{"method": "routes"}`` with ``{"status": "ok", "routes": [...], "admin_base_url": ...,
   "world_size": N}``, the contract the frontend's RL worker listing and Prime-RL's discovery read.
 
-Health flows both ways: the adapter polls tito's ``/health`` and, while tito drains, shuts down or its engine is
+Health flows both ways: the adapter polls tito's ``/ready`` and, while tito drains, shuts down or its engine is
 dead, marks itself not ready and takes its instances out of discovery (the frontend stops listing it); it puts them
 back when tito is ready again, unregisters on shutdown, and exits when tito is gone. Dynamo's own canary checks go
 through ``generate`` and so reach tito's engine.
@@ -439,7 +442,7 @@ def start_sidecar(settings: Settings) -> Iterator[subprocess.Popen[bytes]]:
 def add_dynamo_command(sub: Any) -> None:
     """``tito dynamo-register``: the adapter as its own process, beside a running tito."""
     d = sub.add_parser(
-        "dynamo-register", help="Register a running tito with Dynamo (RL discovery) until stopped.",
+        "dynamo-register", help="Register a running tito with Dynamo (serving and RL discovery) until stopped.",
         description="Register a running tito with Dynamo's runtime: a `generate` endpoint that forwards token "
         "requests to tito and an `rl` endpoint that tells Dynamo's frontend (GET /v1/rl/workers) where tito's admin "
         "API is. Unlisted while tito drains or its engine is dead; unregisters on SIGTERM/SIGINT. Needs the "

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,15 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
              dyn_env: dict[str, str]) -> Iterator[list[ServerProcess]]:
     args = ("--served-model-name", MODEL, "--dynamo-namespace", NS, "--block-size", str(BLOCK),
             "--kv-events-port", "0", "--max-num-seqs", "16")
-    servers = [start_tito(tmp_path_factory, tiny_model, *args, env=dyn_env, name=f"replica-{i}") for i in range(2)]
+    # Started side by side: two engine starts overlap instead of adding up.
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_tito, tmp_path_factory, tiny_model, *args, env=dyn_env, name=f"replica-{i}")
+                   for i in range(2)]
+    servers = [f.result() for f in futures if f.exception() is None]
+    if len(servers) < 2:
+        for srv in servers:
+            srv.stop()
+        raise next(e for f in futures if (e := f.exception()) is not None)
     yield servers
     for s in servers:
         s.stop()
@@ -180,36 +189,56 @@ def test_bad_input_is_a_4xx_and_replicas_keep_serving(kv_frontend, replicas, pro
         assert httpx.get(s.url + "/ready", timeout=10).status_code == 200
 
 
+def _busy(server: ServerProcess) -> tuple[int, float]:
+    """(tito's generate requests in flight, the engine's running + waiting requests)."""
+    text = metrics(server)
+    engine = (metric_value(text, "vllm:num_requests_running") or 0.0) + (
+        metric_value(text, "vllm:num_requests_waiting") or 0.0)
+    return int(httpx.get(server.url + "/health", timeout=10).json()["inflight"]), engine
+
+
 @TIMING
 def test_client_leaving_the_frontend_aborts_in_tito(kv_frontend, replicas):
-    """The request is frozen in its engine (``/pause?mode=keep``) before the client leaves: from then on only an
-    abort can take it out of the engine, and the time until it is gone is the cancellation's path."""
+    """The request is frozen in its replica's engine (``/pause?mode=keep``, as soon as tito has it) before the client
+    leaves: from then on only an abort can take it out, and the time until it is gone is the cancellation's path
+    (client → frontend → Dynamo context → adapter closes its stream → tito aborts in the engine)."""
 
-    def running() -> float:
-        return sum(metric_value(metrics(s), "vllm:num_requests_running") or 0.0 for s in replicas)
-
-    async def run() -> float:
+    async def run() -> tuple[float, ServerProcess]:
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": MODEL, "prompt": [9, 8, 7, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
-            async with c.stream("POST", kv_frontend.url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        break  # the first token arrived: the request runs in one replica's engine
-                for s in replicas:
-                    assert (await c.post(s.url + "/pause", params={"mode": "keep"})).status_code == 200
-                assert running() == 1
-            t0 = time.monotonic()  # the client has left (the stream is closed)
-            await asyncio.to_thread(wait_for, lambda: running() == 0, 30, "the engine to drop the request", 0.05)
-            return time.monotonic() - t0
+            body = {"model": MODEL, "prompt": [9, 8, 7, 6], "max_tokens": 500, "ignore_eos": True, "stream": True}
 
-    try:
-        took = asyncio.run(run())
-    finally:
-        for s in replicas:
-            httpx.post(s.url + "/resume", timeout=30)
-    print(f"client left the frontend: request gone from the engine after {took:.3f}s")
+            async def client() -> None:
+                async with c.stream("POST", kv_frontend.url + "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+            task = asyncio.ensure_future(client())
+            deadline = time.monotonic() + 60
+            holder: ServerProcess | None = None
+            while holder is None and time.monotonic() < deadline and not task.done():
+                for s in replicas:
+                    if (await asyncio.to_thread(_busy, s))[0]:
+                        holder = s
+                        break
+                await asyncio.sleep(0.01)
+            assert holder is not None, "the request never reached a replica"
+            assert (await c.post(holder.url + "/pause", params={"mode": "keep"})).status_code == 200
+            try:
+                inflight, engine = await asyncio.to_thread(_busy, holder)
+                assert inflight == 1 and engine == 1, "finished before the freeze: retried"  # frozen in flight
+                task.cancel()  # the client leaves
+                await asyncio.gather(task, return_exceptions=True)
+                t0 = time.monotonic()
+                await asyncio.to_thread(wait_for, lambda: _busy(holder) == (0, 0.0), 30,
+                                        "the engine to drop the request", 0.05)
+                return time.monotonic() - t0, holder
+            finally:
+                await c.post(holder.url + "/resume")
+
+    took, holder = asyncio.run(run())
+    print(f"client left the frontend: request gone from tito and its engine after {took:.3f}s")
     assert took <= 2.0
+    assert "cancelled by the frontend" in holder.log_text()
 
 
 # ------------------------------------------------------------------------------------------------ KV-aware routing
