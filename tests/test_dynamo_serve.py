@@ -24,8 +24,7 @@ import httpx
 import pytest
 
 from app.dynamo import dynamo_available
-from tests.conftest import start_tito
-from tests.helpers import TIMING, ServerProcess, engine_env, free_port, metric_value
+from tests.helpers import TIMING, ServerProcess, engine_env, free_port, metric_value, tito_cmd
 from tests.test_dynamo import wait_for  # the same polling helper
 
 pytestmark = pytest.mark.skipif(not dynamo_available(), reason="the `dynamo` extra (ai-dynamo-runtime) is not "
@@ -58,9 +57,18 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     args = ("--served-model-name", MODEL, "--dynamo-namespace", NS, "--block-size", str(BLOCK),
             "--kv-events-port", "0", "--max-num-seqs", "16")
     # Started side by side: two engine starts overlap instead of adding up.
+    def start(i: int) -> ServerProcess:
+        log = tmp_path_factory.mktemp("logs") / f"replica-{i}.log"
+        port = free_port()
+        server = ServerProcess(tito_cmd(tiny_model, port, *args), port, log, env=engine_env(dyn_env))
+        try:
+            return server.start(timeout=1200)  # two engines starting at once on a busy 2-core machine
+        except RuntimeError:
+            server.stop()
+            raise
+
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_tito, tmp_path_factory, tiny_model, *args, env=dyn_env, name=f"replica-{i}")
-                   for i in range(2)]
+        futures = [pool.submit(start, i) for i in range(2)]
     servers = [f.result() for f in futures if f.exception() is None]
     if len(servers) < 2:
         for srv in servers:
