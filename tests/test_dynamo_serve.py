@@ -171,8 +171,8 @@ def test_chat_json_and_sse_through_tito(kv_frontend, replicas):
 
     tok = AutoTokenizer.from_pretrained(str(replicas[0].cmd[replicas[0].cmd.index("--model") + 1]))
     messages = [{"role": "user", "content": "Tell me a story about the sea."}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
     direct = tito_generate(replicas[1], ids, 10)
     body = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
     r = httpx.post(kv_frontend.url + "/v1/chat/completions", json=body, timeout=120)
