@@ -83,7 +83,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     from app.tiny_model import make_tiny_model
 
-    out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force)
+    out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force, tokenizer=not ns.no_tokenizer)
     print(f"tiny model in {out}")
     return 0
 
@@ -484,10 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny-model", help="Write the tiny random-weight test model.",
                        description="Write a tiny random-weight Qwen3 (vocab 512, hidden 128, 2 layers), "
-                       "deterministic from --seed, offline.")
+                       "deterministic from --seed, offline, with a byte-level BPE tokenizer (tokens-only tito "
+                       "ignores it; Dynamo's frontend uses it).")
     m.add_argument("dir", help="Output directory.")
     m.add_argument("--seed", type=int, default=1234, help="Random seed (default 1234).")
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
+    m.add_argument("--no-tokenizer", action="store_true",
+                   help="Weights and config only (default: also a byte-level BPE tokenizer with a chat template).")
     m.set_defaults(func=cmd_make_tiny_model)
 
     add_client_commands(sub)

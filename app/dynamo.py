@@ -1,16 +1,19 @@
-"""Dynamo RL discovery: make a running tito findable by a Dynamo frontend (``GET /v1/rl/workers``).
+"""tito behind Dynamo: its frontend serves OpenAI completions and chat through tito replicas, routes by KV cache,
+and lists them for trainers (``GET /v1/rl/workers``).
 
 Dynamo's frontend speaks its own request plane, never plain HTTP, so tito joins through the ``ai-dynamo-runtime``
 bindings (optional extra ``dynamo``), as a small adapter process beside tito (``tito dynamo-register``, or started by
 ``tito serve --dynamo-namespace NS``). It serves two endpoints in ``<namespace>.<component>``:
 
-- ``generate``: forwards token requests to tito's HTTP API. Dynamo's preprocessed shape (``token_ids``,
-  ``sampling_options``, ``stop_conditions``, ``output_options``) is streamed as Dynamo chunks; a vLLM-shaped body
-  (with ``sampling_params``) is posted as is and its JSON answer returned.
+- ``generate``: forwards token requests to tito's HTTP API (app/dynamo_wire.py translates). Dynamo's preprocessed
+  shape (``token_ids``, ``sampling_options``, ``stop_conditions``, ``output_options``) is streamed as Dynamo chunks;
+  a vLLM-shaped body (with ``sampling_params``) is posted as is and its JSON answer returned. The model card claims
+  Chat + Completions when the model dir has tokenizer files (the frontend tokenizes), nothing (discovery only)
+  without; with tito's ``--kv-events-port`` the engine's KV-cache events are relayed to Dynamo's KV router.
 - ``rl``: answers ``{"method": "routes"}`` with ``{"status": "ok", "routes": [...], "admin_base_url": ...,
   "world_size": N}``, the contract the frontend's RL worker listing and Prime-RL's discovery read.
 
-Health flows both ways: the adapter polls tito's ``/health`` and, while tito drains, shuts down or its engine is
+Health flows both ways: the adapter polls tito's ``/ready`` and, while tito drains, shuts down or its engine is
 dead, marks itself not ready and takes its instances out of discovery (the frontend stops listing it); it puts them
 back when tito is ready again, unregisters on shutdown, and exits when tito is gone. Dynamo's own canary checks go
 through ``generate`` and so reach tito's engine.
@@ -27,13 +30,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import orjson
+
+from app.dynamo_wire import (
+    CANARY,
+    GENERATE_PATH,
+    BadRequest,
+    CardFacts,
+    completion_usage,
+    error_message,
+    sse_events,
+    to_dynamo_chunk,
+    to_tito_request,
+)
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -43,7 +57,6 @@ log = logging.getLogger("tito.dynamo")
 # Dynamo's frontend lists live instances of this endpoint name (its DYN_RL_ENDPOINT default).
 RL_ENDPOINT = "rl"
 GENERATE_ENDPOINT = "generate"
-GENERATE_PATH = "/inference/v1/generate"
 
 
 class DynamoUnavailable(RuntimeError):
@@ -87,60 +100,6 @@ class DynamoConfig:
         return self.request_plane or os.environ.get("DYN_REQUEST_PLANE") or "tcp"
 
 
-# --------------------------------------------------------------------------------------------------- translation
-
-
-def to_tito_body(request: dict[str, Any]) -> dict[str, Any]:
-    """Dynamo's preprocessed token request → tito's ``GenerateRequest`` (streaming)."""
-    so = request.get("sampling_options") or {}
-    sc = request.get("stop_conditions") or {}
-    oo = request.get("output_options") or {}
-    sp: dict[str, Any] = {}
-    for key in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                "repetition_penalty"):
-        if so.get(key) is not None:
-            sp[key] = so[key]
-    if sc.get("max_tokens") is not None:
-        sp["max_tokens"] = sc["max_tokens"]
-    if sc.get("min_tokens") is not None:
-        sp["min_tokens"] = sc["min_tokens"]
-    if sc.get("ignore_eos") is not None:
-        sp["ignore_eos"] = bool(sc["ignore_eos"])
-    stops = list(sc.get("stop_token_ids") or []) + list(sc.get("stop_token_ids_hidden") or [])
-    if stops:
-        sp["stop_token_ids"] = sorted(set(stops))
-    if oo.get("logprobs") is not None:
-        sp["logprobs"] = int(oo["logprobs"])
-    body: dict[str, Any] = {"token_ids": list(request["token_ids"]), "sampling_params": sp, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if request.get("model"):
-        body["model"] = request["model"]
-    return body
-
-
-def to_dynamo_chunk(choice: dict[str, Any]) -> dict[str, Any]:
-    """One streamed tito choice → one Dynamo ``LLMEngineOutput`` chunk."""
-    out: dict[str, Any] = {"token_ids": list(choice.get("token_ids") or []), "index": int(choice.get("index", 0))}
-    if choice.get("finish_reason"):
-        out["finish_reason"] = choice["finish_reason"]
-    content = (choice.get("logprobs") or {}).get("content")
-    if content:
-        out["log_probs"] = [e["logprob"] for e in content]
-        out["top_logprobs"] = [[{"token_id": t["token_id"], "logprob": t["logprob"], "rank": t.get("rank")}
-                                for t in e.get("top_logprobs", [])] for e in content]
-    return out
-
-
-async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
-            return
-        yield orjson.loads(payload)
-
-
 # --------------------------------------------------------------------------------------------------- adapter
 
 
@@ -158,30 +117,56 @@ class DynamoAdapter:
         self._stop = asyncio.Event()
         self.runtime: Any = None
         self.endpoints: list[Any] = []
+        self.kv_publishers: list[Any] = []
 
     # ------------------------------------------------------------------ request-plane handlers
 
     async def generate(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        if not isinstance(request, dict) or not isinstance(request.get("token_ids"), list):
-            yield {"token_ids": [], "index": 0, "finish_reason": "error",
-                   "error": "request needs token_ids (a list of ints)"}
-            return
-        if "sampling_params" in request:  # already vLLM/tito-shaped: pass through, answer tito's JSON
-            body = dict(request, stream=False)
-            r = await self.http.post(GENERATE_PATH, json=body)
+        """Dynamo's preprocessed token request → tito's streaming generate → Dynamo chunks.
+
+        A client that leaves the frontend stops the request's context; the stream to tito is then closed at once
+        (not at the next token: a paused or queued request sends none), and tito aborts it in the engine. tito's
+        4xx becomes Dynamo's InvalidArgument (a 400 at the client); a 503 before any token (draining, shutting down,
+        engine dead) becomes EngineShutdown, which the frontend migrates to another replica (``--migration-limit``).
+        """
+        from dynamo._core import EngineShutdown, InvalidArgument
+
+        if isinstance(request, dict) and "sampling_params" in request:  # already tito-shaped: tito's JSON answer
+            r = await self.http.post(GENERATE_PATH, json=dict(request, stream=False))
             yield r.json() if r.headers.get("content-type", "").startswith("application/json") else {
                 "error": {"message": r.text, "code": r.status_code}}
             return
-        async with self.http.stream("POST", GENERATE_PATH, json=to_tito_body(request)) as r:
-            if r.status_code != 200:
-                detail = (await r.aread()).decode(errors="replace")
-                yield {"token_ids": [], "index": 0, "finish_reason": "error", "error": detail}
-                return
-            usage = None
-            finals: list[dict[str, Any]] = []
-            async for event in sse_events(r):
+        rid = context.id() if context is not None else None
+        try:
+            body, headers = to_tito_request(request if isinstance(request, dict) else {}, rid)
+        except BadRequest as e:
+            raise InvalidArgument(str(e)) from None
+        events = self._stream(body, headers)
+        stopped = asyncio.ensure_future(context.async_killed_or_stopped()) if context is not None else None
+        usage: dict[str, Any] | None = None
+        finals: list[dict[str, Any]] = []
+        try:
+            while True:
+                nxt = asyncio.ensure_future(anext(events))
+                if stopped is not None:
+                    await asyncio.wait([nxt, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # the client left: closing the stream makes tito abort the request
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                        log.info("dynamo: request %s cancelled by the frontend; closing it in tito", rid)
+                        return
+                try:
+                    event = await nxt
+                except StopAsyncIteration:
+                    break
+                except BadRequest as e:
+                    if 400 <= e.status < 500:
+                        raise InvalidArgument(str(e)) from None
+                    raise EngineShutdown(str(e)) from None
                 if "error" in event:
-                    yield {"token_ids": [], "index": 0, "finish_reason": "error", "error": event["error"]}
+                    err = event["error"]
+                    yield {"token_ids": [], "index": 0, "finish_reason": "error",
+                           "error": err.get("message") if isinstance(err, dict) else str(err)}
                     return
                 if event.get("usage") and not event.get("choices"):
                     usage = event["usage"]
@@ -191,13 +176,21 @@ class DynamoAdapter:
                         finals.append(chunk)  # held back so the terminal chunk can carry the usage
                     else:
                         yield chunk
-                if context is not None and getattr(context, "is_stopped", lambda: False)():
-                    return
             for i, chunk in enumerate(finals):
                 if usage and i == len(finals) - 1:
-                    chunk["completion_usage"] = {k: usage[k] for k in ("prompt_tokens", "completion_tokens",
-                                                                        "total_tokens") if k in usage}
+                    chunk["completion_usage"] = completion_usage(usage)
                 yield chunk
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+            await events.aclose()
+
+    async def _stream(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
+        async with self.http.stream("POST", GENERATE_PATH, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                raise BadRequest(r.status_code, error_message(r.status_code, await r.aread()))
+            async for event in sse_events(r):
+                yield event
 
     def routes_answer(self) -> dict[str, Any]:
         routes = self.info.get("routes", {}).get("admin", [])
@@ -280,9 +273,48 @@ class DynamoAdapter:
     def stop(self) -> None:
         self._stop.set()
 
+    async def _register(self, gen_ep: Any, facts: CardFacts) -> None:
+        """The model card. With tokenizer files beside the weights it claims Chat + Completions on token input: the
+        frontend tokenizes, applies the chat template, routes and detokenizes, tito generates. Without, it claims
+        no OpenAI surface (ModelType.Empty): discovery only, as before."""
+        from dynamo._core import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+        rc = ModelRuntimeConfig()
+        rc.context_length = facts.context_length
+        rc.max_num_seqs = facts.max_num_seqs
+        rc.data_parallel_start_rank = 0
+        rc.data_parallel_size = facts.data_parallel_size
+        if facts.total_kv_blocks:
+            rc.total_kv_blocks = facts.total_kv_blocks
+        rc.enable_local_indexer = True
+        rc.kv_event_publishing_enabled = bool(facts.kv_events)
+        user_data = {"http_base_url": self.cfg.advertised_url, "generate_url": self.cfg.advertised_url + GENERATE_PATH}
+        if facts.serves_text:
+            await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, gen_ep, facts.path,
+                                 facts.name, worker_type=WorkerType.Aggregated,
+                                 kv_cache_block_size=facts.kv_block_size or None, runtime_config=rc,
+                                 user_data=user_data)
+        else:
+            await register_model(ModelInput.Tokens, ModelType.Empty, gen_ep, facts.path, facts.name,
+                                 worker_type=WorkerType.Aggregated, skip_model_assets=True,
+                                 kv_cache_block_size=facts.kv_block_size or None, runtime_config=rc,
+                                 user_data=user_data)
+
+    def _relay_kv_events(self, gen_ep: Any, facts: CardFacts) -> list[Any]:
+        """One relay per data-parallel rank: subscribe to the engine core's ZMQ KV-event publisher (tito
+        ``--kv-events-port``) and forward its block stored/removed events, in the engine's block size, to Dynamo's
+        KV router on the event plane."""
+        if not facts.kv_events or not facts.kv_block_size:
+            return []
+        from dynamo._core import KvEventPublisher
+
+        return [KvEventPublisher(gen_ep, kv_block_size=facts.kv_block_size, dp_rank=rank, enable_local_indexer=True,
+                                 zmq_endpoint=endpoint, zmq_topic="")
+                for rank, endpoint in sorted(facts.kv_events.items())]
+
     async def run(self) -> None:
         try:
-            from dynamo._core import DistributedRuntime, ModelInput, ModelType, WorkerType, register_model
+            from dynamo._core import DistributedRuntime
         except ImportError as e:
             raise DynamoUnavailable("Dynamo support needs the extra: pip install 'tito[dynamo]'") from e
 
@@ -296,22 +328,18 @@ class DynamoAdapter:
         gen_ep = self.runtime.endpoint(f"{base}.{GENERATE_ENDPOINT}")
         rl_ep = self.runtime.endpoint(f"{base}.{RL_ENDPOINT}")
         self.endpoints = [gen_ep, rl_ep]
-        model = self.info["model"]
-        # A card gives the frontend the model's name (the `model` of /v1/rl/workers); no OpenAI surface is claimed
-        # (tito is tokens-only and the frontend would need a tokenizer to serve chat), and no assets are read.
-        await register_model(ModelInput.Tokens, ModelType.Empty, gen_ep, model["path"], model["served_model_name"],
-                             worker_type=WorkerType.Aggregated, skip_model_assets=True,
-                             user_data={"http_base_url": cfg.advertised_url,
-                                        "generate_url": cfg.advertised_url + GENERATE_PATH})
-        canary = {"token_ids": [1], "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
-                  "sampling_options": {"temperature": 0.0}}
-        serving = [asyncio.ensure_future(gen_ep.serve_endpoint(self.generate, health_check_payload=canary)),
+        facts = CardFacts.from_server_info(self.info)
+        await self._register(gen_ep, facts)
+        serving = [asyncio.ensure_future(gen_ep.serve_endpoint(self.generate, health_check_payload=CANARY)),
                    asyncio.ensure_future(rl_ep.serve_endpoint(self.rl))]
         self.ready = False
         watcher = asyncio.ensure_future(self._watch())
-        log.info("dynamo: %s registered in namespace %r (component %r, backend %s), admin_base_url=%s, "
-                 "world_size=%d", model["served_model_name"], cfg.namespace, cfg.component, cfg.backend(),
-                 cfg.advertised_url, self.world_size)
+        self.kv_publishers = self._relay_kv_events(gen_ep, facts)
+        log.info("dynamo: %s registered as %s in namespace %r (component %r, backend %s), admin_base_url=%s, "
+                 "world_size=%d, context %d, KV blocks %d x %d tokens, KV events from %s", facts.name,
+                 "chat+completions" if facts.serves_text else "discovery only (no tokenizer)", cfg.namespace,
+                 cfg.component, cfg.backend(), cfg.advertised_url, self.world_size, facts.context_length,
+                 facts.total_kv_blocks, facts.kv_block_size, sorted(facts.kv_events.values()) or "nowhere")
         try:
             done, _ = await asyncio.wait([watcher, *serving], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -320,6 +348,8 @@ class DynamoAdapter:
         finally:
             self.stop()
             watcher.cancel()
+            for pub in self.kv_publishers:
+                pub.shutdown()
             for ep in self.endpoints:
                 try:
                     await asyncio.wait_for(ep.unregister_endpoint_instance(), 5.0)
@@ -412,7 +442,7 @@ def start_sidecar(settings: Settings) -> Iterator[subprocess.Popen[bytes]]:
 def add_dynamo_command(sub: Any) -> None:
     """``tito dynamo-register``: the adapter as its own process, beside a running tito."""
     d = sub.add_parser(
-        "dynamo-register", help="Register a running tito with Dynamo (RL discovery) until stopped.",
+        "dynamo-register", help="Register a running tito with Dynamo (serving and RL discovery) until stopped.",
         description="Register a running tito with Dynamo's runtime: a `generate` endpoint that forwards token "
         "requests to tito and an `rl` endpoint that tells Dynamo's frontend (GET /v1/rl/workers) where tito's admin "
         "API is. Unlisted while tito drains or its engine is dead; unregisters on SIGTERM/SIGINT. Needs the "

@@ -49,6 +49,12 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether the model directory carries a tokenizer (Dynamo's text frontends need one)."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "tokenizer.model", "vocab.json"))
+
+
 def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -114,8 +120,20 @@ def engine_args(settings: Settings) -> Any:
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
     if settings.weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
+    if settings.block_size:
+        kw["block_size"] = settings.block_size
+    if settings.kv_events_port is not None:
+        kw["kv_events_config"] = kv_events_config(settings.kv_events_port)
     kw.update(settings.extra)
     return AsyncEngineArgs(**kw)
+
+
+def kv_events_config(port: int) -> Any:
+    """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
+    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (app/dynamo.py)."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +154,8 @@ class ModelFacts:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    kv_block_size: int = 0  # tokens per KV cache block (per engine core)
+    num_kv_blocks: int = 0  # KV cache blocks per engine core
 
 
 class Engine:
@@ -161,6 +181,8 @@ class Engine:
             enable_lora=lc is not None,
             max_loras=int(lc.max_loras) if lc else 0,
             max_lora_rank=int(lc.max_lora_rank) if lc else 0,
+            kv_block_size=int(vc.cache_config.block_size or 0),
+            num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
         )
 
     @classmethod
@@ -297,6 +319,11 @@ class Engine:
 
     async def set_weight_version(self, version: str) -> None:
         await self.llm.update_weight_version(version)
+
+    def kv_event_endpoints(self) -> dict[int, str]:
+        """Where each DP rank's engine core publishes its KV-cache events (bound addresses; empty when off)."""
+        return {int(rank): str(cfg.endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
+                if cfg.enable_kv_cache_events and cfg.endpoint}
 
     # ------------------------------------------------------------------ health
 

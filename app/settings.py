@@ -61,6 +61,11 @@ class Settings:
         None, "Fix the number of KV cache blocks (vLLM's num_gpu_blocks_override): caps KV memory exactly; small "
         "values make the scheduler preempt under load.")
     kv_cache_space_gib: float = flag(1.0, "CPU only: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE if unset).")
+    block_size: int | None = flag(None, "Tokens per KV cache block (default: vLLM's; 128 on CPU, where it must be a "
+                                  "multiple of 32).")
+    kv_events_port: int | None = flag(
+        None, "Publish KV-cache events (vLLM's ZMQ publisher) on this port, data-parallel rank r on port+r, for "
+        "Dynamo's KV router; 0 picks free ports. Unset: off.")
     enable_lora: bool = flag(False, "Serve LoRA adapters.")
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")

@@ -1,7 +1,8 @@
 """The embedded default model: a tiny random-weight Qwen3 that vLLM serves on CPU.
 
-Written offline, deterministically from a seed (same seed → same bytes), float32. It has no tokenizer:
-tito serves it tokens-only and answers text-mode requests with a clear 400.
+Written offline, deterministically from a seed (same seed → same bytes), float32, with a byte-level BPE tokenizer
+(app/tiny_tokenizer.py) for what sits in front of tito and speaks text (Dynamo's frontend). tito itself still
+serves it tokens-only and answers text-mode requests with a clear 400.
 """
 
 from __future__ import annotations
@@ -75,15 +76,20 @@ def tiny_state_dict(seed: int = DEFAULT_SEED, config: dict[str, Any] | None = No
     return sd
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = False) -> Path:
-    """Write config.json and model.safetensors for the tiny model into ``out_dir``.
+def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = False, tokenizer: bool = True) -> Path:
+    """Write config.json and model.safetensors for the tiny model into ``out_dir`` (and, with ``tokenizer``, the
+    tokenizer files and generation_config.json).
 
-    Returns the directory. An existing complete model is left alone unless ``force``.
+    Returns the directory. An existing complete model is left alone unless ``force`` (a missing tokenizer is added).
     """
     from safetensors.torch import save_file
 
+    from app.tiny_tokenizer import write_tokenizer
+
     out = Path(out_dir)
     if not force and (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        if tokenizer and not (out / "tokenizer.json").is_file():
+            write_tokenizer(out, TINY_CONFIG)
         return out
     out.mkdir(parents=True, exist_ok=True)
     sd = tiny_state_dict(seed)
@@ -94,4 +100,6 @@ def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool =
     tmp_cfg.write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
     tmp_weights.replace(out / "model.safetensors")
     tmp_cfg.replace(out / "config.json")
+    if tokenizer:
+        write_tokenizer(out, TINY_CONFIG)
     return out

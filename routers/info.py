@@ -14,7 +14,7 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from app import __version__
-from app.engine import vllm_version
+from app.engine import has_tokenizer, vllm_version
 from app.protocol import json_response
 from app.security import Plane, classify
 from app.state import AppState, get_state
@@ -102,6 +102,10 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "vocab_size": f.vocab_size,
             "max_num_seqs": f.max_num_seqs,
             "max_logprobs": f.max_logprobs,
+            "kv_block_size": f.kv_block_size,
+            "num_kv_blocks": f.num_kv_blocks,
+            # Tokenizer files beside the weights: tito never loads them (tokens only), a text frontend may.
+            "has_tokenizer": has_tokenizer(f.path),
         },
         "parallelism": {
             "tensor_parallel_size": f.tensor_parallel_size,
@@ -120,6 +124,8 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "routed_experts": False,  # tito does not return routed experts (the wire's field is always null)
             "prefix_caching": s.enable_prefix_caching,
             "priority_scheduling": f.priority_scheduling,
+            # DP rank -> ZMQ address of its KV-cache event publisher (--kv-events-port); empty when off.
+            "kv_events": {str(r): ep for r, ep in state.engine.kv_event_endpoints().items()},
         },
         "state": {
             "engine": "dead" if dead else "alive",

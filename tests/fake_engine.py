@@ -204,5 +204,8 @@ class FakeEngine:
     async def set_weight_version(self, version: str) -> None:
         self.weight_version = version
 
+    def kv_event_endpoints(self) -> dict[int, str]:
+        return {}
+
     def shutdown(self) -> None:
         pass

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from app.dynamo import dynamo_available
+from app.tiny_model import make_tiny_model
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, engine_env, free_port
 
@@ -78,8 +79,10 @@ def frontend(dyn_env, tmp_path_factory) -> Iterator[tuple[ServerProcess, str]]:
 
 
 @pytest.fixture(scope="module")
-def dyn_tito(tiny_model, tmp_path_factory, dyn_env, frontend) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, tiny_model, "--dynamo-namespace", NS, env=dyn_env, name="tito-dynamo")
+def dyn_tito(tmp_path_factory, dyn_env, frontend) -> Iterator[ServerProcess]:
+    # A model dir without tokenizer files: registered for discovery only (ModelType.Empty), served as before.
+    bare = make_tiny_model(tmp_path_factory.mktemp("bare") / "tiny-qwen3", tokenizer=False)
+    server = start_tito(tmp_path_factory, bare, "--dynamo-namespace", NS, env=dyn_env, name="tito-dynamo")
     yield server
     server.stop()
 
@@ -97,7 +100,7 @@ def instance_files(dyn_env: dict[str, str]) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
-def test_frontend_lists_tito_and_admin_calls_work(frontend, dyn_tito):
+def test_frontend_lists_tito_and_admin_calls_work(frontend, dyn_tito, dyn_env):
     _, rl_url = frontend
     listed = wait_for(lambda: workers(rl_url), 90, "tito in /v1/rl/workers")
     assert len(listed) == 1
@@ -109,6 +112,9 @@ def test_frontend_lists_tito_and_admin_calls_work(frontend, dyn_tito):
     assert w["model"] == info["model"]["served_model_name"]
     assert w.get("error") is None
     assert {"/pause", "/resume", "/update_weights", "/load_lora_adapter"} <= set(w["routes"])
+    assert info["model"]["has_tokenizer"] is False
+    card = json.loads(next((Path(dyn_env["DYN_FILE_KV"]) / "v1" / "mdc").iterdir()).read_text())["card_json"]
+    assert "Chat" not in card["model_type"] and "Completions" not in card["model_type"]  # ModelType.Empty
 
     # Prime-RL's admin client talks to admin_base_url directly.
     with httpx.Client(base_url=w["admin_base_url"], timeout=60) as admin:
