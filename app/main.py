@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.engine import Engine
+from app.lifecycle import CLOSE_GRACE_S
 from app.metrics import RequestMetrics
 from app.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
 from app.sampling import configured_limits
@@ -71,12 +72,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.ready = True
         app.state.tito = state
         watcher = asyncio.ensure_future(_watch_engine(app, state))
+        if settings.grpc_port:
+            from app.grpc_server import start_grpc_server  # the `grpc` extra, only when asked for
+
+            grpc_server = await start_grpc_server(state)
         log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
         yield
     finally:
         state.begin_shutdown()
         if "watcher" in locals():
             watcher.cancel()
+        if "grpc_server" in locals():
+            await grpc_server.stop(CLOSE_GRACE_S)  # the SIGTERM drain already waited for its calls
         if state.inflight and not state.engine.errored:
             log.info("shutting down: aborting %d request(s) still in flight", state.inflight)
             await state.abort()

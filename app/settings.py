@@ -92,6 +92,9 @@ FLAGS: list[Flag] = [
     Flag("dynamo_component", str, "tito", "Dynamo component name."),
     Flag("dynamo_admin_base_url", str, None, "URL advertised to trainers as admin_base_url (default: "
          "http://<host>:<port>, with this machine's hostname when --host is a wildcard)."),
+    # --- gRPC (needs the `grpc` extra; see README "gRPC and the smg gateway")
+    Flag("grpc_port", int, None, "Also serve vLLM's gRPC API (VllmEngine, health, reflection) on this port, same "
+         "engine and admission as HTTP; unset: no gRPC."),
     # --- HTTP server
     Flag("max_body_bytes", int, 8 * 1024 * 1024, "Largest request body accepted (413 beyond)."),
     Flag("shutdown_timeout", float, 30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting."),
@@ -145,6 +148,7 @@ class Settings:
     dynamo_namespace: str | None = None
     dynamo_component: str = "tito"
     dynamo_admin_base_url: str | None = None
+    grpc_port: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 30.0
     liveness_timeout: float = 30.0

@@ -88,7 +88,8 @@ def _routed_experts(state: AppState) -> bool:
                 getattr(state.settings, "enable_return_routed_experts", False))
 
 
-async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
+async def server_info_body(state: AppState, request: Request | None) -> dict[str, Any]:
+    """``/server_info``'s body; without ``request`` (the gRPC GetServerInfo) ``routes`` is None."""
     f, s = state.facts, state.settings
     now = time.time()
     dead = state.engine.errored
@@ -102,6 +103,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "pid": os.getpid(),
             "host": s.host,
             "port": s.port,
+            "grpc_port": s.grpc_port,
             "started_at": datetime.fromtimestamp(state.started_at, UTC).isoformat(),
             "started_at_unix": state.started_at,
             "uptime_s": round(now - state.started_at, 3),
@@ -146,7 +148,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },
-        "routes": route_map(request, s.protect_metrics),
+        "routes": route_map(request, s.protect_metrics) if request is not None else None,
     }
 
 
