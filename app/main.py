@@ -73,8 +73,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.tito = state
         watcher = asyncio.ensure_future(_watch_engine(app, state))
         if settings.grpc_port:
-            from app.grpc_server import start_grpc_server  # the `grpc` extra, only when asked for
-
+            try:
+                from app.grpc_server import start_grpc_server  # the `grpc` extra, only when asked for
+            except ImportError as e:
+                raise RuntimeError(f"--grpc-port needs the grpc extra (pip install 'tito[grpc]'): {e}") from e
             grpc_server = await start_grpc_server(state)
         log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
         yield

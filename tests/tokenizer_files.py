@@ -31,7 +31,12 @@ def write_tokenizer(model_dir: Path, vocab_size: int = 512) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    assert tok.get_vocab_size() <= vocab_size, tok.get_vocab_size()
+    # The corpus yields fewer merges than the model has ids; the model samples any id, and a gateway detokenizes
+    # every one, so the rest of the vocabulary is filled with plain added tokens.
+    n = tok.get_vocab_size()
+    assert n <= vocab_size, n
+    tok.add_tokens([f"<w{i}>" for i in range(n, vocab_size)])
+    assert tok.get_vocab_size() == vocab_size
     tok.save(str(model_dir / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
            "pad_token": "<pad>", "model_max_length": 512, "chat_template": CHAT_TEMPLATE}
