@@ -17,8 +17,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess, engine_env, free_port
+from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
 
 
 @dataclass
@@ -48,8 +47,15 @@ def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: s
     """tito with ``--grpc-port``, on free ports. No API key: smg 1.13 sends none to gRPC workers (its ``--api-key``
     reaches HTTP workers only), so replicas behind it run without one; keys are tested in test_grpc_auth.py."""
     port = free_port()
-    server = start_tito(tmp_path_factory, model, "--grpc-port", str(port), *extra, name=name)
-    return Replica(server, port)
+    cmd = tito_cmd(model, free_port(), "--allowed-weight-root", str(tmp_path_factory.getbasetemp()),
+                   "--grpc-port", str(port), *extra)
+    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log")
+    try:
+        # A generous start: two replicas start back to back, on a machine other engines may share.
+        return Replica(server.start(timeout=600), port)
+    except RuntimeError:
+        server.stop()
+        raise
 
 
 def gen_request(ids: Sequence[int], max_tokens: int, *, stream: bool = False, request_id: str = "",
