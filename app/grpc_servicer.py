@@ -228,7 +228,10 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
                             await context.write(_complete(res, c, k, pk))
                     elif res.finished:
                         await context.write(_complete(res, c, k, pk))
+                        seen.add(c.index)
             finished = True
+            if not seen:
+                err = ApiError(500, "engine returned no output")  # as HTTP answers the same case
         except ApiError as e:
             err, finished = e, True
         except asyncio.CancelledError:

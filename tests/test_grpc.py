@@ -333,6 +333,8 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
 def test_sigterm_lets_grpc_requests_finish_then_exits_0(b: Replica) -> None:
     stub = b.stub()
     n, max_tokens = 4, 64
+    # Frozen from the start (admitted and counted, no step runs): none can finish before the checks below.
+    _admin(b, "POST", "/pause", params={"mode": "keep"})
     calls = [stub.Generate(gen_request([1, 2, 3, 4 + i], max_tokens, stream=True, request_id=f"term-{i}",
                                        ignore_eos=True)) for i in range(n)]
     results: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -344,7 +346,6 @@ def test_sigterm_lets_grpc_requests_finish_then_exits_0(b: Replica) -> None:
     for t in threads:
         t.start()
     _until(lambda: _health(b)["inflight"] == n)
-    _admin(b, "POST", "/pause", params={"mode": "keep"})  # none can finish before the checks below
     b.server.signal(signal.SIGTERM)
     _until(lambda: _health(b)["state"] == "shutting_down")
     code, details = code_of(lambda: stub.Generate(gen_request([1, 2], 2)))
