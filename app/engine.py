@@ -156,6 +156,17 @@ class ModelFacts:
     max_lora_rank: int
     kv_block_size: int = 0  # tokens per KV cache block (per engine core)
     num_kv_blocks: int = 0  # KV cache blocks per engine core
+    kv_cache_dtype: str = "auto"
+    # From the HF config, for gateways that describe the model (gRPC GetModelInfo).
+    model_type: str = ""
+    architectures: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) else None
 
 
 class Engine:
@@ -166,6 +177,8 @@ class Engine:
         vc = llm.vllm_config
         mc, sc, pc = vc.model_config, vc.scheduler_config, vc.parallel_config
         lc = vc.lora_config
+        hf = mc.hf_config
+        eos = getattr(hf, "eos_token_id", None)
         self.facts = ModelFacts(
             name=settings.model_name,
             path=settings.model,
@@ -183,6 +196,12 @@ class Engine:
             max_lora_rank=int(lc.max_lora_rank) if lc else 0,
             kv_block_size=int(vc.cache_config.block_size or 0),
             num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
+            kv_cache_dtype=str(vc.cache_config.cache_dtype),
+            model_type=str(getattr(hf, "model_type", "") or ""),
+            architectures=tuple(getattr(hf, "architectures", None) or ()),
+            eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
+            pad_token_id=_int_or_none(getattr(hf, "pad_token_id", None)),
+            bos_token_id=_int_or_none(getattr(hf, "bos_token_id", None)),
         )
 
     @classmethod
@@ -324,6 +343,16 @@ class Engine:
         """Where each DP rank's engine core publishes its KV-cache events (bound addresses; empty when off)."""
         return {int(rank): str(cfg.endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
                 if cfg.enable_kv_cache_events and cfg.endpoint}
+
+    def scheduler_load(self) -> tuple[int, int, float] | None:
+        """Running and waiting requests and KV usage from the engine's latest scheduler stats, when vLLM's stat
+        loggers keep them (best effort; None otherwise)."""
+        mgr = getattr(self.llm, "logger_manager", None)
+        for sl in getattr(mgr, "stat_loggers", None) or []:
+            stats = getattr(sl, "last_scheduler_stats", None)
+            if stats is not None:
+                return int(stats.num_running_reqs), int(stats.num_waiting_reqs), float(stats.kv_cache_usage)
+        return None
 
     # ------------------------------------------------------------------ health
 

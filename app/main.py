@@ -174,6 +174,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                   description="Token-in/token-out inference server for RL rollouts, on vLLM.")
     app.state.settings = settings
     app.state.engine_override = engine
+    app.state.services = _services(settings)
     for r in ALL:
         app.include_router(r)
     _install_error_handlers(app)
@@ -182,6 +183,18 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
     _add_schemas(app)
     return app
+
+
+def _services(settings: Settings) -> list[Any]:
+    """Servers beside HTTP that start once the engine is up (app/startup.py ``Service``)."""
+    services: list[Any] = []
+    if settings.grpc_port:
+        try:
+            from app.grpc_server import GrpcService  # the `grpc` extra, only when asked for
+        except ImportError as e:
+            raise RuntimeError(f"--grpc-port needs the grpc extra (pip install 'tito[grpc]'): {e}") from e
+        services.append(GrpcService())
+    return services
 
 
 def _add_schemas(app: FastAPI) -> None:

@@ -92,6 +92,9 @@ class Settings:
     dynamo_admin_base_url: str | None = flag(
         None, "URL advertised to trainers as admin_base_url (default: http://<host>:<port>, with this machine's "
         "hostname when --host is a wildcard).")
+    # --- gRPC (needs the `grpc` extra; see README "gRPC and the smg gateway")
+    grpc_port: int | None = flag(None, "Also serve vLLM's gRPC API (VllmEngine, health, reflection) on this port, "
+                                 "same engine and admission as HTTP; unset: no gRPC.")
     # --- HTTP server
     max_body_bytes: int = flag(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting.")

@@ -76,7 +76,8 @@ async def _paused(state: AppState) -> bool | None:
         return None
 
 
-async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
+async def server_info_body(state: AppState, request: Request | None) -> dict[str, Any]:
+    """``/server_info``'s body; without ``request`` (the gRPC GetServerInfo) ``routes`` is None."""
     f, s = state.facts, state.settings
     now = time.time()
     dead = state.engine.errored
@@ -90,6 +91,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "pid": os.getpid(),
             "host": s.host,
             "port": s.port,
+            "grpc_port": s.grpc_port,
             "started_at": datetime.fromtimestamp(state.started_at, UTC).isoformat(),
             "started_at_unix": state.started_at,
             "uptime_s": round(now - state.started_at, 3),
@@ -144,7 +146,7 @@ async def server_info_body(state: AppState, request: Request) -> dict[str, Any]:
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },
-        "routes": route_map(request, s.protect_metrics),
+        "routes": route_map(request, s.protect_metrics) if request is not None else None,
     }
 
 

@@ -207,5 +207,8 @@ class FakeEngine:
     def kv_event_endpoints(self) -> dict[int, str]:
         return {}
 
+    def scheduler_load(self) -> tuple[int, int, float] | None:
+        return None
+
     def shutdown(self) -> None:
         pass

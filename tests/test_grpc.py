@@ -1,0 +1,364 @@
+"""tito's gRPC surface (``--grpc-port``) on a real engine: the same tokens and logprobs as HTTP, the same admission,
+validation and keys, Abort, drain and SIGTERM; and the real smg gateway serving ``/v1/completions`` through two
+tito replicas over gRPC.
+
+Two replicas for the module: ``a`` serves every test; ``b`` joins for the gateway test and is then stopped by the
+SIGTERM test (last in the file). Keys are tested in test_grpc_auth.py (smg sends none to gRPC workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
+
+from tests.grpc_client import Replica, code_of, collect, gen_request, start_replica, start_smg
+from tests.helpers import TIMING, metric_value
+from tests.streaming import GEN, wait_for
+from tests.tokenizer_files import model_with_tokenizer
+
+ENGINE = "vllm.grpc.engine.VllmEngine"
+PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def tok_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_with_tokenizer(tiny_model, tmp_path_factory.mktemp("grpc-model") / "tiny-tok")
+
+
+@pytest.fixture(scope="module")
+def a(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
+    r = start_replica(tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5")
+    yield r
+    r.server.stop()
+
+
+@pytest.fixture(scope="module")
+def b(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
+    r = start_replica(tmp_path_factory, tok_model, "grpc-b", "--max-logprobs", "5", "--shutdown-timeout", "120")
+    yield r
+    r.server.stop()
+
+
+def _http(r: Replica, body: dict[str, Any]) -> dict[str, Any]:
+    with r.http() as c:
+        resp = c.post(GEN, json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _f32(xs: list[float]) -> list[float]:
+    return [float(np.float32(x)) for x in xs]
+
+
+# --------------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_greedy_tokens_and_logprobs_match_http(a: Replica, stream: bool) -> None:
+    stub = a.stub()
+    for ids in PROMPTS:
+        http = _http(a, {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True,
+                                                                "logprobs": 3, "prompt_logprobs": 1}})
+        choice = http["choices"][0]
+        got = collect(stub.Generate(gen_request(ids, 24, stream=stream, logprobs=3, prompt_logprobs=1,
+                                                ignore_eos=True)))
+        assert got["tokens"] == choice["token_ids"] and len(got["tokens"]) == 24
+        assert got["finish"] == choice["finish_reason"] == "length"
+        if stream:
+            assert got["chunks"] >= 2  # really streamed
+        content = choice["logprobs"]["content"]
+        # The proto carries float32: the HTTP float rounded to float32 is the very same number.
+        assert got["logprobs"] == _f32([e["logprob"] for e in content])
+        assert [[t for t, _ in step] for step in got["top"]] == [[t["token_id"] for t in e["top_logprobs"]]
+                                                                 for e in content]
+        assert [_f32([v for _, v in step]) for step in got["top"]] == [
+            _f32([t["logprob"] for t in e["top_logprobs"]]) for e in content]
+        # Prompt logprobs: none for the first token, then the logprob of each prompt token.
+        want = [None] + [float(np.float32(step[str(t)]["logprob"]))
+                         for t, step in zip(ids[1:], http["prompt_logprobs"][1:], strict=True)]
+        assert got["prompt_lp"] == want
+
+
+def test_n_samples_and_seeded_sampling_match_http(a: Replica) -> None:
+    ids = PROMPTS[0]
+    http = _http(a, {"token_ids": ids, "sampling_params": {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 2,
+                                                            "ignore_eos": True}})
+    want = {c["index"]: c["token_ids"] for c in http["choices"]}
+    req = gen_request(ids, 12, ignore_eos=True, n=2, seed=7)
+    req.sampling_params.temperature = 1.0
+    got: dict[int, list[int]] = {}
+    for r in a.stub().Generate(req):
+        got[r.complete.index] = list(r.complete.output_ids)
+    assert got == want and len(got) == 2
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+BAD: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # (case, proto fields, the HTTP body with the same meaning)
+    ("out of vocabulary", {"ids": [1, 512]}, {"token_ids": [1, 512]}),
+    ("prompt fills the context", {"ids": [1] * 512}, {"token_ids": [1] * 512}),
+    ("max_tokens beyond the context", {"max_tokens": 600}, {"sampling_params": {"max_tokens": 600}}),
+    ("stop strings without a tokenizer", {"stop": ["a"]}, {"sampling_params": {"stop": ["a"]}}),
+    ("logprobs above --max-logprobs", {"logprobs": 6}, {"sampling_params": {"logprobs": 6}}),
+    ("stop id out of vocabulary", {"stop_token_ids": [9999]}, {"sampling_params": {"stop_token_ids": [9999]}}),
+    ("logit_bias out of vocabulary", {"logit_bias": {600: 1.0}}, {"sampling_params": {"logit_bias": {"600": 1.0}}}),
+    ("n above max_num_seqs", {"n": 1000}, {"sampling_params": {"n": 1000}}),
+    ("structured output without a tokenizer", {"regex": "a+"}, {"sampling_params": {"structured_outputs":
+                                                                                      {"regex": "a+"}}}),
+    ("empty prompt", {"ids": []}, {"token_ids": []}),
+]
+
+
+@pytest.mark.parametrize(("case", "proto", "body"), BAD, ids=[c for c, _, _ in BAD])
+def test_bad_input_is_invalid_argument_with_the_http_message(a: Replica, case: str, proto: dict[str, Any],
+                                                              body: dict[str, Any]) -> None:
+    proto = dict(proto)
+    ids = proto.pop("ids", [1, 2, 3])
+    max_tokens = proto.pop("max_tokens", 4)
+    http_body = {"token_ids": [1, 2, 3], **body}
+    http_body["sampling_params"] = {"max_tokens": max_tokens, **body.get("sampling_params", {})}
+    with a.http() as c:
+        r = c.post(GEN, json=http_body)
+    assert r.status_code == 400, r.text
+    req = gen_request(ids, max_tokens, **proto)
+    code, details = code_of(lambda: a.stub().Generate(req))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details == r.json()["error"]["message"]
+
+
+def test_text_and_multimodal_input_are_refused_and_the_engine_keeps_serving(a: Replica) -> None:
+    stub = a.stub()
+    code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(text="hello")))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "tokenizer" in details
+    mm = gen_request([1, 2, 3], 4)
+    mm.mm_inputs.im_token_id = 5
+    code, details = code_of(lambda: stub.Generate(mm))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "multimodal" in details
+    trunc = gen_request([1, 2, 3], 4, truncate_prompt_tokens=2)
+    code, details = code_of(lambda: stub.Generate(trunc))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "truncate_prompt_tokens" in details
+    assert len(collect(stub.Generate(gen_request([1, 2, 3], 4, ignore_eos=True)))["tokens"]) == 4
+    with a.http() as c:
+        text = c.get("/metrics").text
+    assert (metric_value(text, "tito_grpc_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"})
+            or 0) >= 3
+
+
+# --------------------------------------------------------------------------------------------------- metadata
+
+
+def test_server_and_model_info_carry_what_server_info_says(a: Replica) -> None:
+    stub = a.stub()
+    with a.http() as c:
+        http = c.get("/server_info").json()
+    info, call = stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
+    carried = json.loads(dict(call.trailing_metadata())["tito-server-info"])
+    for key in ("model", "parallelism", "features"):
+        assert carried[key] == http[key]
+    assert carried["server"]["grpc_port"] == http["server"]["grpc_port"] == a.grpc_port
+    assert carried["state"]["ready"] is True and carried["state"]["draining"] is False
+    assert info.data_parallel_size == http["parallelism"]["data_parallel_size"]
+    assert info.max_num_seqs == http["model"]["max_num_seqs"]
+    assert info.model_dtype == http["model"]["dtype"] and info.block_size > 0
+    model = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert model.served_model_name == http["model"]["served_model_name"]
+    assert model.max_context_length == http["model"]["max_model_len"]
+    assert model.vocab_size == http["model"]["vocab_size"]
+    assert list(model.eos_token_ids) == [2] and model.bos_token_id == 1
+    loads = stub.GetLoads(pb.GetLoadsRequest())
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_running_requests == http["model"]["max_num_seqs"]
+    # The model dir has a tokenizer: GetTokenizer streams it as a zip whose digest is on the last chunk.
+    chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    import hashlib
+
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(data)).namelist()
+    # No KV events: said at once (a gateway treats a silent stream as an unreachable worker).
+    t0 = time.monotonic()
+    code, details = code_of(lambda: stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+    assert code is grpc.StatusCode.UNIMPLEMENTED and "KV cache events" in details
+    assert time.monotonic() - t0 < 10
+
+
+# --------------------------------------------------------------------------------------------------- abort, drain
+
+
+def _admin(r: Replica, method: str, path: str, **kw: Any) -> httpx.Response:
+    with r.http() as c:
+        resp = c.request(method, path, **kw)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _health(r: Replica) -> dict[str, Any]:
+    with r.http() as c:
+        return c.get("/health").json()
+
+
+def _until(pred: Any, timeout: float = 60.0) -> None:
+    asyncio.run(wait_for(lambda: _as_coro(pred), timeout))
+
+
+async def _as_coro(pred: Any) -> Any:
+    return pred()
+
+
+@TIMING
+def test_abort_ends_a_running_stream_with_its_partial_tokens(a: Replica) -> None:
+    stub = a.stub()
+    call = stub.Generate(gen_request([1, 2, 3, 4], 400, stream=True, request_id="grpc-abort-1", ignore_eos=True))
+    first = next(call)
+    assert len(first.chunk.token_ids) >= 1
+    _admin(a, "POST", "/pause", params={"mode": "keep"})  # frozen: only the abort can end it now
+    try:
+        stub.Abort(pb.AbortRequest(request_ids=["grpc-abort-1"]))
+        got = collect(call)
+    finally:
+        _admin(a, "POST", "/resume")
+    tokens = list(first.chunk.token_ids) + got["tokens"]
+    assert got["finish"] == "abort"
+    assert 1 <= len(tokens) < 400
+    _until(lambda: _health(a)["inflight"] == 0)
+
+
+@TIMING
+def test_abort_ends_a_running_unary_call(a: Replica) -> None:
+    stub = a.stub()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: collect(stub.Generate(
+            gen_request([1, 2, 3, 4], 400, request_id="grpc-abort-2", ignore_eos=True))))
+        _until(lambda: _health(a)["inflight"] >= 1)  # admitted and counted, as an HTTP request is
+        _admin(a, "POST", "/pause", params={"mode": "keep"})
+        try:
+            stub.Abort(pb.AbortRequest(request_ids=["generate-tokens-grpc-abort-2"]))
+            got = fut.result(60)
+        finally:
+            _admin(a, "POST", "/resume")
+    assert got["finish"] == "abort" and len(got["tokens"]) < 400
+    assert got["completion_tokens"] == len(got["tokens"])
+
+
+@TIMING
+def test_drain_counts_grpc_requests_and_refuses_new_ones(a: Replica) -> None:
+    stub = a.stub()
+    health = health_pb2_grpc.HealthStub(a.channel())
+    call = stub.Generate(gen_request([1, 2, 3, 4], 400, stream=True, request_id="grpc-drain", ignore_eos=True))
+    next(call)
+    _admin(a, "POST", "/pause", params={"mode": "keep"})
+    try:
+        # The drain waits for the gRPC request as for an HTTP one: it is still running when the wait times out.
+        drained = _admin(a, "POST", "/drain", json={"timeout": 0.5}).json()
+        assert drained["status"] == "timeout" and drained["still_running"] == 1, drained
+        with a.http() as c:
+            assert metric_value(c.get("/metrics").text, "tito_inflight_requests") == 1
+        code, details = code_of(lambda: stub.Generate(gen_request([1, 2], 2)))
+        assert code is grpc.StatusCode.UNAVAILABLE and "draining" in details
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        check = stub.HealthCheck(pb.HealthCheckRequest())
+        assert not check.healthy and check.message == "draining"
+    finally:
+        _admin(a, "POST", "/resume")
+    got = collect(call)  # the admitted request finishes normally during the drain
+    assert got["finish"] == "length"
+    _until(lambda: _health(a)["inflight"] == 0)
+    _admin(a, "DELETE", "/drain")
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert len(collect(stub.Generate(gen_request([1, 2], 2, ignore_eos=True)))["tokens"]) == 2
+
+
+# --------------------------------------------------------------------------------------------------- smg gateway
+
+
+def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Replica, tok_model: Path,
+                                                             tmp_path: Path) -> None:
+    def generates(r: Replica) -> float:
+        with r.http() as c:
+            return metric_value(c.get("/metrics").text, "tito_grpc_requests_total",
+                                {"method": "Generate", "code": "OK"}) or 0.0
+
+    before = [generates(a), generates(b)]
+    smg = start_smg([a, b], tok_model, tmp_path / "smg.log")
+    try:
+        words = ["the quick brown fox", "hello world", "token in token out", "a tiny model", "hello tito"]
+        bodies = [{"model": str(tok_model), "prompt": f"{words[i % len(words)]} {i}", "max_tokens": 8,
+                   "temperature": 0, "stream": i % 4 == 3} for i in range(36)]
+
+        def one(body: dict[str, Any]) -> tuple[int, str]:
+            with httpx.Client(base_url=smg.url, timeout=120.0) as c:
+                r = c.post("/v1/completions", json=body)
+                return r.status_code, r.text
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, bodies))
+        errors = [(s, t[:300]) for s, t in results if s != 200]
+        assert errors == [], errors
+        for (_, text), body in zip(results, bodies, strict=True):
+            if body["stream"]:
+                assert "data:" in text and "[DONE]" in text
+            else:
+                out = json.loads(text)
+                assert out["choices"][0]["finish_reason"] in ("length", "stop")
+                assert out["usage"]["completion_tokens"] >= 1
+    finally:
+        smg.stop()
+    after = [generates(a), generates(b)]
+    served = [x - y for x, y in zip(after, before, strict=True)]
+    assert sum(served) >= 36 and all(n > 0 for n in served), served
+
+
+# --------------------------------------------------------------------------------------------------- SIGTERM (last)
+
+
+@TIMING
+def test_sigterm_lets_grpc_requests_finish_then_exits_0(b: Replica) -> None:
+    stub = b.stub()
+    n, max_tokens = 4, 64
+    # Frozen from the start (admitted and counted, no step runs): none can finish before the checks below.
+    _admin(b, "POST", "/pause", params={"mode": "keep"})
+    calls = [stub.Generate(gen_request([1, 2, 3, 4 + i], max_tokens, stream=True, request_id=f"term-{i}",
+                                       ignore_eos=True)) for i in range(n)]
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    def read(i: int) -> None:
+        results[i] = collect(calls[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    _until(lambda: _health(b)["inflight"] == n)
+    b.server.signal(signal.SIGTERM)
+    _until(lambda: _health(b)["state"] == "shutting_down")
+    code, details = code_of(lambda: stub.Generate(gen_request([1, 2], 2)))
+    assert code is grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+    health = health_pb2_grpc.HealthStub(b.channel())
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    _admin(b, "POST", "/resume")
+    for t in threads:
+        t.join(120)
+    for res in results:
+        assert res["finish"] == "length" and len(res["tokens"]) == max_tokens, res
+    assert b.server.proc is not None
+    assert b.server.proc.wait(120) == 0, b.server.log_tail()
+    log = b.server.log_text()
+    assert "0 aborted" in log and "gRPC server stopped" in log
+    assert log.index("gRPC server stopped") < log.index("engine shut down")
