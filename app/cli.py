@@ -81,6 +81,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    if ns.vlm:
+        from app.tiny_vlm import make_tiny_vlm
+
+        print(f"tiny vision-language model in {make_tiny_vlm(ns.dir, seed=ns.seed, force=ns.force)}")
+        return 0
     from app.tiny_model import make_tiny_model
 
     out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force)
@@ -488,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir", help="Output directory.")
     m.add_argument("--seed", type=int, default=1234, help="Random seed (default 1234).")
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
+    m.add_argument("--vlm", action="store_true", help="Write a tiny vision-language model (Idefics3, with its "
+                   "processor and tokenizer) for multimodal requests instead.")
     m.set_defaults(func=cmd_make_tiny_model)
 
     add_client_commands(sub)
