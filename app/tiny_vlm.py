@@ -40,9 +40,9 @@ def vlm_config() -> Any:
             "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float32"}
     vision = {"model_type": "idefics3_vision", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 2, "image_size": IMAGE_SIZE, "patch_size": 14, "num_channels": 3}
-    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=2, image_token_id=IMAGE_ID,
-                          pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                          torch_dtype="float32")
+    top: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+                           "torch_dtype": "float32"}
+    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=2, image_token_id=IMAGE_ID, **top)
 
 
 def _tokenizer() -> Any:
@@ -76,7 +76,7 @@ def make_tiny_vlm(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = F
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(vlm_config()).to(torch.float32)
+    model: Any = Idefics3ForConditionalGeneration(vlm_config()).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         # Random init with a wider spread than HF's 0.02, so logits are not flat and images change the answer.
