@@ -76,7 +76,8 @@ def make_tiny_vlm(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = F
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model: Any = Idefics3ForConditionalGeneration(vlm_config()).to(torch.float32)
+    model: Any = Idefics3ForConditionalGeneration(vlm_config())
+    model.float()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         # Random init with a wider spread than HF's 0.02, so logits are not flat and images change the answer.
