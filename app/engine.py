@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.engine_mm import MultimodalInputs, ships_processor
+from app.engine_mm import engine_kwargs as mm_engine_kwargs
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -88,6 +90,8 @@ def engine_args(settings: Settings) -> Any:
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
     if settings.weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
+    if has_tokenizer(settings.model) and ships_processor(settings.model):
+        kw.update(mm_engine_kwargs(settings))  # multimodal: the processor needs the tokenizer (app/engine_mm.py)
     kw.update(settings.extra)
     return AsyncEngineArgs(**kw)
 
@@ -110,6 +114,7 @@ class ModelFacts:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    multimodal: bool = False  # takes content_parts / features (a multimodal model with its processor loaded)
 
 
 class Engine:
@@ -135,7 +140,9 @@ class Engine:
             enable_lora=lc is not None,
             max_loras=int(lc.max_loras) if lc else 0,
             max_lora_rank=int(lc.max_lora_rank) if lc else 0,
+            multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init),
         )
+        self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
 
     @classmethod
     def start(cls, settings: Settings) -> Engine:
@@ -158,10 +165,13 @@ class Engine:
 
     def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *,
                  cache_salt: str | None = None, lora: LoRARequest | None = None, priority: int = 0,
-                 data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                 data_parallel_rank: int | None = None, prompt: Any = None) -> AsyncIterator[RequestOutput]:
+        """``prompt``: an engine input already built (multimodal, see ``self.mm``); else ``token_ids``."""
         from vllm.inputs import tokens_input
 
-        return self.llm.generate(tokens_input(token_ids, cache_salt=cache_salt), params, request_id,
+        if prompt is None:
+            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+        return self.llm.generate(prompt, params, request_id,
                                  lora_request=lora, priority=priority, data_parallel_rank=data_parallel_rank)
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

@@ -86,6 +86,14 @@ FLAGS: list[Flag] = [
     Flag("protect_metrics", _bool, False, "Require the data-plane key on /metrics too."),
     Flag("max_stop_token_ids", int, 1024, "Most `stop_token_ids` a request may send (400 beyond)."),
     Flag("max_logit_bias", int, 1024, "Most `logit_bias` entries a request may send (400 beyond)."),
+    # --- multimodal requests (content_parts / features; a model directory with a processor and tokenizer)
+    Flag("allowed_media_domains", str, None, "Hosts whose http(s) media URLs content_parts may name (repeatable; "
+         "vLLM's flag). Unset: no http(s) fetching, only data: URLs.", repeatable=True),
+    Flag("allowed_local_media_path", str, None, "Directory whose files content_parts may name as file: URLs "
+         "(vLLM's flag). Unset: no local files."),
+    Flag("max_mm_items", int, 4, "Most media items (content_parts or features items) per request (400 beyond)."),
+    Flag("max_media_bytes", int, 5 * 1024 * 1024, "Largest decoded media item or kwargs_data item (413 beyond)."),
+    Flag("max_image_pixels", int, 4096 * 4096, "Most pixels (width x height) of one image (413 beyond)."),
     # --- Dynamo RL discovery (needs the `dynamo` extra; see README "Running under Dynamo")
     Flag("dynamo_namespace", str, None, "Register with Dynamo in this namespace (runs `tito dynamo-register` "
          "beside the server); unset: no Dynamo."),
@@ -142,6 +150,11 @@ class Settings:
     protect_metrics: bool = False
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024
+    allowed_media_domains: list[str] | None = None
+    allowed_local_media_path: str | None = None
+    max_mm_items: int = 4
+    max_media_bytes: int = 5 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
     dynamo_namespace: str | None = None
     dynamo_component: str = "tito"
     dynamo_admin_base_url: str | None = None

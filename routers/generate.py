@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
+from app.multimodal import multimodal_prompt
 from app.protocol import ERROR_RESPONSES, ApiError, GenerateRequest, GenerateResponse, bad_request, validation_error
 from app.reqlog import set_request_id
 from app.sampling import build_sampling_params, check_prompt
@@ -166,11 +167,13 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
     model_name = lora.lora_name if lora is not None else state.facts.name
     num_lp = params.logprobs
+    mm = await multimodal_prompt(state, req, params, salt)  # None unless content_parts / features (app/multimodal.py)
 
     state.enter(request_id)
     try:
         gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=salt, lora=lora,
-                                    priority=req.priority, data_parallel_rank=dp_rank)
+                                    priority=req.priority, data_parallel_rank=dp_rank,
+                                    prompt=mm.engine_input if mm else None)
     except BaseException:
         state.leave(request_id)
         raise
@@ -180,8 +183,9 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
         started: list[bool] = []
+        prompt_ids = (mm.engine_input["prompt_token_ids"] if mm else req.token_ids) if return_ids else None
         stream = _stream(state, gen, request_id, len(req.token_ids), params.n, num_lp, include_usage, continuous,
-                         req.token_ids if return_ids else None, started)
+                         prompt_ids, started, mm.placeholders if mm else None)
         return _SseResponse(stream, state, request_id, started)
 
     try:
@@ -197,7 +201,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(final.prompt_token_ids or req.token_ids) if return_ids else None,
-        "mm_placeholders": None,
+        "mm_placeholders": mm.placeholders if mm else None,
         "metrics": None,
         # Echo the request's params when no KV connector produced its own (the contract for P/D clients).
         "kv_transfer_params": (final.kv_transfer_params if final.kv_transfer_params is not None
@@ -275,7 +279,8 @@ class _SseResponse(StreamingResponse):
 
 async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, prompt_len: int, n: int,
                   num_lp: int | None, include_usage: bool, continuous: bool,
-                  prompt_ids: list[int] | None, started: list[bool]) -> AsyncIterator[bytes]:
+                  prompt_ids: list[int] | None, started: list[bool],
+                  mm_placeholders: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
     if started:  # _SseResponse already gave up on this stream
         return
     started.append(True)
@@ -301,6 +306,9 @@ async def _stream(state: AppState, gen: AsyncIterator[RequestOutput], request_id
                 if prompt_ids is not None:
                     chunk["prompt_token_ids"] = prompt_ids
                     prompt_ids = None
+                if mm_placeholders is not None:  # first chunk only, as vLLM sends it
+                    chunk["mm_placeholders"] = mm_placeholders
+                    mm_placeholders = None
                 if continuous:
                     chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
                                       "total_tokens": prompt_len + generated[i]}
