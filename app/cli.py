@@ -187,7 +187,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     import json
     import time
 
-    from app.client import TitoError
+    from app.client import TitoError, image_parts
 
     tokens = _parse_tokens(ns.tokens)
     sp: dict[str, Any] = {"max_tokens": ns.max_tokens}
@@ -204,7 +204,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             if ns.stream:
                 n = 0
                 finish = None
-                for d in c.generate_stream(tokens, sp, model=ns.model):
+                mm = {"content_parts": image_parts(ns.image)} if ns.image else None
+                for d in c.generate_stream(tokens, sp, model=ns.model, extra=mm):
                     if d.index < 0:
                         continue
                     lps = d.logprobs or [None] * len(d.token_ids)
@@ -220,7 +221,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 print(f"finish_reason={finish} tokens={n} time={(time.monotonic() - t0) * 1000:.1f}ms",
                       file=sys.stderr)
                 return 0
-            out = c.generate(tokens, sp, model=ns.model)
+            out = c.generate(tokens, sp, model=ns.model, images=ns.image)
     except TitoError as e:
         return _fail(e)
     if ns.json:
@@ -419,6 +420,9 @@ def add_client_commands(sub: Any) -> None:
     g.add_argument("--logprobs", action="store_true", help="Also print each token's logprob.")
     g.add_argument("--top-logprobs", type=int, default=1, help="Candidates per position with --logprobs (default 1).")
     g.add_argument("--json", action="store_true", help="Print the server's whole JSON answer (not with --stream).")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="Image file sent inline as a data URL (repeatable; multimodal models). --tokens then hold "
+                   "one image token per image, e.g. from the chat template.")
     _add_client_flags(g, timeout=600.0)
     g.set_defaults(func=cmd_generate)
 

@@ -241,6 +241,25 @@ def _json_or_none(resp: httpx.Response) -> Any:
         return resp.text
 
 
+def image_parts(images: list[Any]) -> list[dict[str, str]]:
+    """``content_parts`` for images given as file paths, raw bytes or URLs (``data:``/``http(s):``/``file:``):
+    paths and bytes are sent inline as data URLs, which any tito server takes."""
+    import base64
+    import mimetypes
+    from pathlib import Path
+
+    parts = []
+    for img in images:
+        if isinstance(img, str) and img.split(":", 1)[0] in ("data", "http", "https", "file"):
+            url = img
+        else:
+            raw = img if isinstance(img, bytes) else Path(img).read_bytes()
+            mime = "image/png" if isinstance(img, bytes) else mimetypes.guess_type(str(img))[0] or "image/png"
+            url = f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+        parts.append({"type": "image_url", "url": url})
+    return parts
+
+
 def _bool(v: bool) -> str:
     return "true" if v else "false"
 
@@ -428,8 +447,10 @@ class AsyncTitoClient(_Spec):
                        request_id: str | None = None, model: str | None = None, cache_salt: str | None = None,
                        priority: int | None = None, return_token_ids: bool | None = None,
                        data_parallel_rank: int | None = None, extra: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> GenerateResult:
-        """``POST /inference/v1/generate``. Keyword sampling arguments override ``sampling_params``."""
+                       timeout: float | None = None, images: list[Any] | None = None) -> GenerateResult:
+        """``POST /inference/v1/generate``. Keyword sampling arguments override ``sampling_params``. ``images``
+        (paths, bytes or URLs) go as ``content_parts``: ``token_ids`` then hold one image token per image."""
+        extra = {**(extra or {}), "content_parts": image_parts(images)} if images else extra
         sp_kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                      logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids,
                      ignore_eos=ignore_eos)
@@ -597,7 +618,8 @@ class TitoClient(_Spec):
                  request_id: str | None = None, model: str | None = None, cache_salt: str | None = None,
                  priority: int | None = None, return_token_ids: bool | None = None,
                  data_parallel_rank: int | None = None, extra: dict[str, Any] | None = None,
-                 timeout: float | None = None) -> GenerateResult:
+                 timeout: float | None = None, images: list[Any] | None = None) -> GenerateResult:
+        extra = {**(extra or {}), "content_parts": image_parts(images)} if images else extra
         sp_kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                      logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids,
                      ignore_eos=ignore_eos)

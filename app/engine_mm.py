@@ -70,6 +70,9 @@ class MultimodalInputs:
         from vllm.inputs import TokensPrompt
         from vllm.renderers.chat_utils import AsyncMultiModalItemTracker
 
+        for i, p in enumerate(parts):
+            if self.media_tokens and p.modality not in self.media_tokens:
+                raise bad_request(f"this model takes no {p.modality} input.", f"content_parts.{i}.type")
         check_unexpanded(token_ids, parts, self.image_token_id)
         try:
             tracker = AsyncMultiModalItemTracker(self.model_config)

@@ -264,7 +264,7 @@ def check_unexpanded(token_ids: list[int], parts: list[MediaPart], image_token_i
     found = sum(1 for t in token_ids if t == image_token_id)
     if found != images:
         hint = (" The prompt looks already expanded (as /tokenize or a render step returns it): send the "
-                "unexpanded template ids, or send `features` instead.") if found > images else ""
+                "unexpanded template ids, or send `features` instead.") if found > images > 0 else ""
         raise bad_request(f"content_parts: token_ids must hold exactly one image token (id {image_token_id}) per "
                           f"image part: {images} image part(s), {found} image token(s).{hint}", "token_ids")
 
