@@ -97,6 +97,7 @@ class MultimodalInputs:
 
     def from_features(self, token_ids: list[int], feats: Features, cache_salt: str | None) -> MultimodalPrompt:
         import torch
+        from vllm.entrypoints.scale_out.token_in_token_out.mm_features import merge_mm_kwargs_items
         from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
@@ -112,7 +113,9 @@ class MultimodalInputs:
             decoded = []
             for j, data in enumerate(encoded):
                 try:
-                    item = decode_mm_kwargs_item(data)
+                    meta = feats.metadata.get(modality, [None] * len(encoded))[j]
+                    item = merge_mm_kwargs_items(decode_mm_kwargs_item(data),
+                                                 decode_mm_kwargs_item(meta) if meta is not None else None)
                 except Exception as e:  # noqa: BLE001 - untrusted bytes: msgspec, torch and numpy all raise their own
                     raise bad_request(f"kwargs_data item is not a serialized MultiModalKwargsItem: {e}",
                                       f"features.kwargs_data.{modality}.{j}") from None

@@ -55,6 +55,8 @@ class Features:
     hashes: dict[str, list[str]]
     placeholders: dict[str, list[tuple[int, int]]]  # (offset, length)
     kwargs_data: dict[str, list[str]]
+    # Render's metadata-only subset of each item (e.g. num_patches); merged into the item, as vLLM does.
+    metadata: dict[str, list[str | None]] = field(default_factory=dict)
     # Per modality and item: which positions of the range take the item's embeddings (see normalize_features).
     is_embed: dict[str, list[list[bool] | None]] = field(default_factory=dict)
 
@@ -200,9 +202,8 @@ def parse_features(raw: dict[str, Any], prompt_len: int, policy: MediaPolicy) ->
     if not isinstance(kwargs, dict) or set(kwargs) != set(hashes):
         raise bad_request("features.kwargs_data must hold the tensors of every item, keyed like mm_hashes (this "
                           "server resolves no items from a cache).", "features.kwargs_data")
-    if meta is not None and meta != {} and any(v is not None for items in dict(meta).values() for v in items or ()):
-        raise bad_request("features.mm_metadata (metadata-only items) needs an encoder-cache connector, which this "
-                          "server does not run.", "features.mm_metadata")
+    if meta is not None and (not isinstance(meta, dict) or set(meta) != set(hashes)):
+        raise bad_request("features.mm_metadata must be keyed like mm_hashes.", "features.mm_metadata")
     out = Features({}, {}, {})
     spans: list[tuple[int, int]] = []
     total = 0
@@ -242,6 +243,17 @@ def parse_features(raw: dict[str, Any], prompt_len: int, policy: MediaPolicy) ->
                 raise ApiError(413, f"kwargs_data item is larger than --max-media-bytes ({policy.max_bytes}).",
                                param=kp)
             b64decode(k, kp)  # well-formed; the adapter decodes it again into tensors
+        ms = [None] * len(hs) if meta is None else meta[modality]
+        if not isinstance(ms, list) or len(ms) != len(hs):
+            raise bad_request(f"mm_metadata.{modality} must be a list as long as mm_hashes.{modality} ({len(hs)}).",
+                              f"features.mm_metadata.{modality}")
+        for j, m in enumerate(ms):
+            if m is not None:
+                if not isinstance(m, str) or len(m) > policy.max_bytes:
+                    raise bad_request("each mm_metadata item must be null or a base64 string.",
+                                      f"features.mm_metadata.{modality}.{j}")
+                b64decode(m, f"features.mm_metadata.{modality}.{j}")
+        out.metadata[modality] = list(ms)
         out.hashes[modality] = list(hs)
         out.placeholders[modality] = parsed
         out.kwargs_data[modality] = list(ks)

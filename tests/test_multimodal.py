@@ -112,7 +112,8 @@ def _features(**over: Any) -> dict[str, Any]:
     (_features(kwargs_data={"image": ["!!notbase64"]}), "malformed base64"),
     (_features(mm_hashes={"image": ["h1", "h2"]}, kwargs_data={"image": ["YWJj", "YWJj"]},
                mm_placeholders={"image": [{"offset": 1, "length": 3}, {"offset": 2, "length": 3}]}), "overlap"),
-    (_features(mm_metadata={"image": ["YWJj"]}), "encoder-cache connector"),
+    (_features(mm_metadata={"image": ["YWJj", None]}), "mm_metadata.image must be a list as long"),
+    (_features(mm_metadata={"video": [None]}), "keyed like mm_hashes"),
 ])
 def test_features_checks(features: dict[str, Any], words: str) -> None:
     with pytest.raises(ApiError) as e:
