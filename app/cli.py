@@ -81,6 +81,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    if ns.vlm:
+        from app.tiny_vlm import make_tiny_vlm
+
+        print(f"tiny vision-language model in {make_tiny_vlm(ns.dir, seed=ns.seed, force=ns.force)}")
+        return 0
     from app.tiny_model import make_tiny_model
 
     out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force, tokenizer=not ns.no_tokenizer)
@@ -199,7 +204,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             if ns.stream:
                 n = 0
                 finish = None
-                for d in c.generate_stream(tokens, sp, model=ns.model):
+                for d in c.generate_stream(tokens, sp, model=ns.model, images=ns.image):
                     if d.index < 0:
                         continue
                     lps = d.logprobs or [None] * len(d.token_ids)
@@ -215,7 +220,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 print(f"finish_reason={finish} tokens={n} time={(time.monotonic() - t0) * 1000:.1f}ms",
                       file=sys.stderr)
                 return 0
-            out = c.generate(tokens, sp, model=ns.model)
+            out = c.generate(tokens, sp, model=ns.model, images=ns.image)
     except TitoError as e:
         return _fail(e)
     if ns.json:
@@ -414,6 +419,9 @@ def add_client_commands(sub: Any) -> None:
     g.add_argument("--logprobs", action="store_true", help="Also print each token's logprob.")
     g.add_argument("--top-logprobs", type=int, default=1, help="Candidates per position with --logprobs (default 1).")
     g.add_argument("--json", action="store_true", help="Print the server's whole JSON answer (not with --stream).")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="Image file sent inline as a data URL (repeatable; multimodal models). --tokens then hold "
+                   "one image token per image, e.g. from the chat template.")
     _add_client_flags(g, timeout=600.0)
     g.set_defaults(func=cmd_generate)
 
@@ -491,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
     m.add_argument("--no-tokenizer", action="store_true",
                    help="Weights and config only (default: also a byte-level BPE tokenizer with a chat template).")
+    m.add_argument("--vlm", action="store_true", help="Write a tiny vision-language model (Idefics3, with its "
+                   "processor and tokenizer) for multimodal requests instead.")
     m.set_defaults(func=cmd_make_tiny_model)
 
     add_client_commands(sub)

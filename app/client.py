@@ -42,6 +42,7 @@ from app.client_wire import (
     _Routes,
     _sse_event,
     _transport_error,
+    image_parts,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ __all__ = [
     "TitoClient",
     "TitoError",
     "Usage",
+    "image_parts",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"

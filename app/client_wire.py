@@ -8,10 +8,13 @@ httpx and the standard library only (never vLLM or torch).
 
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import httpx
@@ -232,6 +235,21 @@ def _transport_error(exc: Exception, call: _Call) -> TitoError:
     return TitoError(0, f"request {kind}: {type(exc).__name__}: {exc}", method=call.method, path=call.path)
 
 
+def image_parts(images: list[Any]) -> list[dict[str, str]]:
+    """``content_parts`` for images given as file paths, raw bytes or URLs (``data:``/``http(s):``/``file:``):
+    paths and bytes are sent inline as data URLs, which any tito server takes."""
+    parts = []
+    for img in images:
+        if isinstance(img, str) and img.split(":", 1)[0] in ("data", "http", "https", "file"):
+            url = img
+        else:
+            raw = img if isinstance(img, bytes) else Path(img).read_bytes()
+            mime = "image/png" if isinstance(img, bytes) else mimetypes.guess_type(str(img))[0] or "image/png"
+            url = f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+        parts.append({"type": "image_url", "url": url})
+    return parts
+
+
 class GenerateOptions(TypedDict, total=False):
     """Keyword arguments of ``generate`` and ``generate_stream`` (sampling keywords override ``sampling_params``)."""
 
@@ -253,6 +271,7 @@ class GenerateOptions(TypedDict, total=False):
     data_parallel_rank: int | None
     extra: dict[str, Any] | None
     timeout: float | None
+    images: list[Any] | None  # paths, bytes or URLs, sent as content_parts (token_ids hold one image token each)
 
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "prompt_logprobs",
@@ -307,6 +326,8 @@ class _Routes:
             body["stream"] = True
             if include_usage:
                 body["stream_options"] = {"include_usage": True}
+        if opts.get("images"):
+            body["content_parts"] = image_parts(opts["images"])
         body.update(opts.get("extra") or {})
         rank = opts.get("data_parallel_rank")
         timeout = opts.get("timeout")

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.engine_mm import MultimodalInputs, ships_processor
+from app.engine_mm import engine_kwargs as mm_engine_kwargs
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -124,6 +126,8 @@ def engine_args(settings: Settings) -> Any:
         kw["block_size"] = settings.block_size
     if settings.kv_events_port is not None:
         kw["kv_events_config"] = kv_events_config(settings.kv_events_port)
+    if has_tokenizer(settings.model) and ships_processor(settings.model):
+        kw.update(mm_engine_kwargs(settings))  # multimodal: the processor needs the tokenizer (app/engine_mm.py)
     kw.update(settings.extra)
     return AsyncEngineArgs(**kw)
 
@@ -163,6 +167,7 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     bos_token_id: int | None = None
+    multimodal: bool = False  # takes content_parts / features (a multimodal model with its processor loaded)
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -202,7 +207,9 @@ class Engine:
             eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
             pad_token_id=_int_or_none(getattr(hf, "pad_token_id", None)),
             bos_token_id=_int_or_none(getattr(hf, "bos_token_id", None)),
+            multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init),
         )
+        self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
 
     @classmethod
     def start(cls, settings: Settings) -> Engine:
@@ -225,10 +232,13 @@ class Engine:
 
     def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *,
                  cache_salt: str | None = None, lora: LoRARequest | None = None, priority: int = 0,
-                 data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                 data_parallel_rank: int | None = None, prompt: Any = None) -> AsyncIterator[RequestOutput]:
+        """``prompt``: an engine input already built (multimodal, see ``self.mm``); else ``token_ids``."""
         from vllm.inputs import tokens_input
 
-        return self.llm.generate(tokens_input(token_ids, cache_salt=cache_salt), params, request_id,
+        if prompt is None:
+            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+        return self.llm.generate(prompt, params, request_id,
                                  lora_request=lora, priority=priority, data_parallel_rank=data_parallel_rank)
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

@@ -97,9 +97,6 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
     if req.output_mode != "tokens":
         raise bad_request("output_mode='text' requires a tokenizer, but this server serves tokens only "
                           "(no tokenizer loaded); use output_mode='tokens'.", "output_mode")
-    if req.features is not None or req.content_parts:
-        raise bad_request("multimodal inputs (features, content_parts) are not supported by this model.",
-                          "features" if req.features is not None else "content_parts")
 
     n = wire.n if wire.n is not None else 1
     if n < 1:

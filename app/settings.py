@@ -85,6 +85,15 @@ class Settings:
     protect_metrics: bool = flag(False, "Require the data-plane key on /metrics too.")
     max_stop_token_ids: int = flag(1024, "Most `stop_token_ids` a request may send (400 beyond).")
     max_logit_bias: int = flag(1024, "Most `logit_bias` entries a request may send (400 beyond).")
+    # --- multimodal requests (content_parts / features; a model directory with a processor and tokenizer)
+    allowed_media_domains: list[str] | None = flag(
+        None, "Hosts whose http(s) media URLs content_parts may name (repeatable; vLLM's flag). Unset: no http(s) "
+        "fetching, only data: URLs.")
+    allowed_local_media_path: str | None = flag(
+        None, "Directory whose files content_parts may name as file: URLs (vLLM's flag). Unset: no local files.")
+    max_mm_items: int = flag(4, "Most media items (content_parts or features items) per request (400 beyond).")
+    max_media_bytes: int = flag(5 * 1024 * 1024, "Largest decoded media item or kwargs_data item (413 beyond).")
+    max_image_pixels: int = flag(4096 * 4096, "Most pixels (width x height) of one image (413 beyond).")
     # --- Dynamo RL discovery (needs the `dynamo` extra; see README "Running under Dynamo")
     dynamo_namespace: str | None = flag(None, "Register with Dynamo in this namespace (runs `tito dynamo-register` "
                                         "beside the server); unset: no Dynamo.")

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
+from app.multimodal import MultimodalPrompt, multimodal_prompt
 from app.protocol import ERROR_RESPONSES, ApiError, GenerateRequest, GenerateResponse, bad_request, validation_error
 from app.reqlog import set_request_id
 from app.sampling import build_sampling_params, check_prompt
@@ -157,18 +158,20 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
     model_name = req.model if lora is not None else state.facts.name
     num_lp = params.logprobs
+    mm = await multimodal_prompt(state, req, params, salt)  # None unless content_parts / features (app/multimodal.py)
 
     # The engine sees a unique id (clients may share theirs); the answer carries the client's, as vLLM's does.
     engine_id = state.enter(request_id)
     try:
         gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=salt, lora=lora,
-                                    priority=req.priority, data_parallel_rank=dp_rank)
+                                    priority=req.priority, data_parallel_rank=dp_rank,
+                                    prompt=mm.engine_input if mm else None)
     except BaseException:
         state.leave(engine_id)
         raise
 
     if req.stream:
-        return _SseResponse(_Stream(state, gen, request_id, engine_id, req, params.n, num_lp, return_ids))
+        return _SseResponse(_Stream(state, gen, request_id, engine_id, req, params.n, num_lp, return_ids, mm))
 
     try:
         final = await _collect_or_disconnect(request, gen, engine_id, state)
@@ -183,7 +186,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(final.prompt_token_ids or req.token_ids) if return_ids else None,
-        "mm_placeholders": None,
+        "mm_placeholders": mm.placeholders if mm else None,
         "metrics": None,
         # Echo the request's params when no KV connector produced its own (the issue's contract for P/D clients).
         "kv_transfer_params": (final.kv_transfer_params if final.kv_transfer_params is not None
@@ -245,17 +248,21 @@ class _Stream:
     released exactly once: by the stream when it runs, or by ``_SseResponse`` when the client left before it did."""
 
     __slots__ = ("state", "gen", "request_id", "engine_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
-                 "prompt_ids", "started")
+                 "prompt_ids", "mm_placeholders", "started")
 
     def __init__(self, state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, engine_id: str,
-                 req: GenerateRequest, n: int, num_lp: int | None, return_ids: bool) -> None:
+                 req: GenerateRequest, n: int, num_lp: int | None, return_ids: bool,
+                 mm: MultimodalPrompt | None = None) -> None:
         # request_id is what the client sees; engine_id the request's own id in the engine and in AppState.live.
         self.state, self.gen, self.request_id, self.engine_id = state, gen, request_id, engine_id
         self.prompt_len, self.n, self.num_lp = len(req.token_ids), n, num_lp
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous = bool(self.include_usage and opts and opts.continuous_usage_stats)
-        self.prompt_ids: list[int] | None = req.token_ids if return_ids else None  # sent once, in the first chunk
+        # Sent once, in the first chunk (a multimodal prompt as the engine saw it, placeholders expanded).
+        prompt_ids = mm.engine_input["prompt_token_ids"] if mm else req.token_ids
+        self.prompt_ids: list[int] | None = prompt_ids if return_ids else None
+        self.mm_placeholders: dict[str, Any] | None = mm.placeholders if mm else None
         self.started = False
 
     def release_unstarted(self) -> None:
@@ -269,7 +276,7 @@ class _Stream:
         self.started = True
         state, request_id, prompt_len, num_lp, continuous = (self.state, self.request_id, self.prompt_len,
                                                              self.num_lp, self.continuous)
-        prompt_ids = self.prompt_ids
+        prompt_ids, mm_placeholders = self.prompt_ids, self.mm_placeholders
         generated = [0] * self.n
         cached: int | None = None
         finished = False
@@ -292,6 +299,9 @@ class _Stream:
                     if prompt_ids is not None:
                         chunk["prompt_token_ids"] = prompt_ids
                         prompt_ids = None
+                    if mm_placeholders is not None:  # first chunk only, as vLLM sends it
+                        chunk["mm_placeholders"] = mm_placeholders
+                        mm_placeholders = None
                     if continuous:
                         chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
                                           "total_tokens": prompt_len + generated[i]}

@@ -54,6 +54,10 @@ CASES = [
     ("dp rank out of range", OK, {"X-data-parallel-rank": "3"}, 400, "X-data-parallel-rank"),
     ("huge cache salt", {"token_ids": [1], "cache_salt": "s" * 5000, "sampling_params": {}}, {}, 400,
      "body.cache_salt"),
+    # The default model is text-only: no media, whatever the shape (tests/test_multimodal.py has the VLM).
+    ("content_parts to text model", {"token_ids": [1], "content_parts": [{"type": "image_url", "url": "data:,"}],
+                                     "sampling_params": {}}, {}, 400, "content_parts"),
+    ("features to text model", {"token_ids": [1], "features": {}, "sampling_params": {}}, {}, 400, "features"),
 ]
 
 
