@@ -36,7 +36,7 @@ from app.sampling import build_sampling_params, check_prompt
 from app.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
-    from vllm.outputs import CompletionOutput, RequestOutput
+    from app.engine import CompletionOutput, RequestOutput
 
 log = logging.getLogger("tito.grpc")
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -17,10 +19,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
 
 
+# Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
+_STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
+_ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server"}
+
+
+@functools.cache
+def _starts_engine(func: Callable[..., object]) -> bool:
+    try:
+        src = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return any(s in src for s in _STARTS_ENGINE)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Anything that uses a server fixture runs a real engine.
+    """Mark ``engine`` every test that starts or uses a real engine: itself, or through any fixture it depends on
+    (so ``make unit`` / ``-m "not engine"`` runs only the fast tests)."""
     for item in items:
-        if {"tito", "tito_url", "tiny_model", "vllm_server"} & set(getattr(item, "fixturenames", ())):
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
+        func = getattr(item, "function", None)
+        if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or \
+                any(_starts_engine(d.func) for d in defs) or (func is not None and _starts_engine(func)):
             item.add_marker(pytest.mark.engine)
 
 
@@ -34,9 +55,8 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
                env: dict[str, str] | None = None, name: str = "tito") -> ServerProcess:
     """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root.
 
-    tito binds its port only once the engine is up (uvicorn runs the lifespan first), tens of seconds after
-    ``free_port()`` released it; meanwhile any outgoing connection on the machine may take that ephemeral port. Such
-    a start fails with "address already in use" and is retried on another port."""
+    Between ``free_port()`` releasing the port and the server binding it, any outgoing connection on the machine may
+    take that ephemeral port. Such a start fails with "address already in use" and is retried on another port."""
     for attempt in range(3):
         port = free_port()
         cmd = tito_cmd(model, port, "--allowed-weight-root", str(tmp_path_factory.getbasetemp()), *extra)
