@@ -128,8 +128,11 @@ class ControlPlane:
             return
         supersede = self._supersede = asyncio.Event()
         given_way = asyncio.ensure_future(supersede.wait())
+        # ``timeout`` bounds the wait for in-flight requests; with none there is nothing to drain, and the engine's
+        # own round trip gets the usual engine-call bound (a timeout of 1e-300 must not turn an idle pause into 504).
+        limit = timeout if self.state.inflight else max(timeout, ENGINE_CALL_TIMEOUT_S)
         try:
-            done, _ = await asyncio.wait({task, given_way}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, given_way}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
         finally:
             given_way.cancel()
             self._supersede = None

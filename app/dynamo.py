@@ -163,6 +163,10 @@ class DynamoAdapter:
                     if 400 <= e.status < 500:
                         raise InvalidArgument(str(e)) from None
                     raise EngineShutdown(str(e)) from None
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                    # tito is gone (shut down between the discovery update and this request, or died mid-answer):
+                    # as a 503 would, this lets the frontend migrate the request to another replica.
+                    raise EngineShutdown(f"tito at {self.cfg.tito_url} is unreachable: {type(e).__name__}") from None
                 if "error" in event:
                     err = event["error"]
                     yield {"token_ids": [], "index": 0, "finish_reason": "error",

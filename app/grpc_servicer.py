@@ -96,7 +96,8 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
         "stream": msg.stream,
     }
     if msg.HasField("mm_inputs") or msg.extra_mm_inputs or msg.HasField("media_refs"):
-        body["features"] = {}  # build_sampling_params refuses multimodal input with HTTP's message
+        raise bad_request("multimodal input is not taken over gRPC; send content_parts or features to "
+                          "POST /inference/v1/generate (multimodal models only).", "mm_inputs")
     if msg.HasField("kv_transfer_params_json"):
         try:
             kv = json.loads(msg.kv_transfer_params_json)
@@ -214,9 +215,10 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         k, pk = params.logprobs, params.prompt_logprobs
         err: ApiError | None = None
         finished = False
-        state.enter(request_id)
+        # The engine sees a unique id (clients may share theirs), as on the HTTP path.
+        engine_id = state.enter(request_id)
         try:
-            gen = state.engine.generate(req.token_ids, params, request_id, cache_salt=None, lora=None,
+            gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=None, lora=None,
                                         data_parallel_rank=dp_rank)
             seen: set[int] = set()
             async for res in gen:
@@ -239,10 +241,10 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a hang
             err, finished = state.engine_error(e, "generation", param_prefix="sampling_params."), True
         finally:
-            state.leave(request_id)
+            state.leave(engine_id)
             if not finished:
                 # Cancelled while writing: the engine generator is suspended, not cancelled; abort it now.
-                task = asyncio.ensure_future(state.engine.abort(request_id))
+                task = asyncio.ensure_future(state.engine.abort(engine_id))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         if err is not None:
