@@ -15,8 +15,9 @@ clients have finished a batch of answers since the last one. Then the clients st
 
 Target: 0 lost, 0 short, 0 spans_bad, 0 failed_updates (exit code 1 otherwise).
 
-By default the requests carry no ``seed``: on CPU, an update with kept seeded requests can crash vLLM's EngineCore
-(issue 14, "CPU Generator does not use offset"); ``--seed-requests`` sends one per request to exercise that path.
+Every request carries its own ``seed`` (the case that used to crash vLLM's EngineCore on CPU during an update: "CPU
+Generator does not use offset"; tito now starts vLLM with chunked prefill off on CPU, see README); ``--no-seed`` sends
+none.
 
     python scripts/soak.py                                  # 20 updates under 256 streams on the tiny model
     python scripts/soak.py --updates 4 --streams 32         # a short run
@@ -112,7 +113,7 @@ def spans_problem(spans: list[dict[str, Any]] | None, n: int, order: list[str]) 
     return None if pos == n else f"spans end at {pos}, answer has {n} tokens"
 
 
-async def soak(url: str, checkpoints: list[str], updates: int, streams: int, *, seed_requests: bool = False,
+async def soak(url: str, checkpoints: list[str], updates: int, streams: int, *, seed_requests: bool = True,
                batch: int | None = None, max_tokens: int = 128, timeout: float = 1800.0,
                initial_version: str | None = None) -> Report:
     """Run the soak against a server at ``url`` whose allowed weight roots hold ``checkpoints``."""
@@ -240,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128, help="Each request asks for 16..N tokens (default 128).")
-    p.add_argument("--seed-requests", action="store_true",
-                   help="Send a seed with every request (on CPU this can crash vLLM during an update today).")
+    p.add_argument("--no-seed", action="store_true", help="Send no seed (default: a seed per request).")
     p.add_argument("--url", default=None, help="A running tito (default: start one on the tiny model).")
     p.add_argument("--checkpoints", default=None,
                    help="Two comma-separated checkpoint directories to alternate (default: two tiny models).")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         server.start(timeout=900)
         url = server.url
     try:
-        rep = asyncio.run(soak(url, ckpts, ns.updates, ns.streams, seed_requests=ns.seed_requests,
+        rep = asyncio.run(soak(url, ckpts, ns.updates, ns.streams, seed_requests=not ns.no_seed,
                                max_tokens=ns.max_tokens))
     finally:
         if server is not None:
