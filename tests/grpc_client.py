@@ -43,13 +43,15 @@ class Replica:
         return httpx.Client(base_url=self.url, timeout=120.0)
 
 
-def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, *extra: str) -> Replica:
+def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, *extra: str,
+                  env: dict[str, str] | None = None) -> Replica:
     """tito with ``--grpc-port``, on free ports. No API key: smg 1.13 sends none to gRPC workers (its ``--api-key``
     reaches HTTP workers only), so replicas behind it run without one; keys are tested in test_grpc_auth.py."""
     port = free_port()
     cmd = tito_cmd(model, free_port(), "--allowed-weight-root", str(tmp_path_factory.getbasetemp()),
                    "--grpc-port", str(port), *extra)
-    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log")
+    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log",
+                           env=engine_env(env))
     try:
         # A generous start: two replicas start back to back, on a machine other engines may share.
         return Replica(server.start(timeout=600), port)
