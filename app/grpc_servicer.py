@@ -355,6 +355,9 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         except asyncio.CancelledError:
             call.done(grpc.StatusCode.CANCELLED)
             raise
+        except Exception as e:  # noqa: BLE001 - a broken publisher socket ends the stream with a status, not a hang
+            log.exception("SubscribeKvEvents failed")
+            code, message = grpc.StatusCode.INTERNAL, f"KV event relay failed: {e}"
         call.done(code)
         if code is not grpc.StatusCode.OK:
             await context.abort(code, message)

@@ -121,12 +121,13 @@ def smg_binary() -> str:
 def start_smg(workers: Sequence[Replica], model_dir: Path, log_path: Path, policy: str = "cache_aware",
               timeout: float = 120.0) -> ServerProcess:
     """The smg gateway (Rust) routing to ``workers`` over gRPC; ready once it lists every worker healthy."""
-    port = free_port()
+    port, prometheus = free_port(), free_port()
     cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[f"grpc://{w.target}" for w in workers], "--policy", policy,
-           "--model-path", str(model_dir), "--prometheus-port", str(free_port()),
+           "--model-path", str(model_dir), "--prometheus-port", str(prometheus),
            "--log-level", "info"]
     proc = ServerProcess(cmd, port, log_path, env=engine_env(), health_path="/health")
+    proc.metrics_url = f"http://127.0.0.1:{prometheus}/metrics"  # type: ignore[attr-defined]
     proc.start(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -427,10 +427,21 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
                 out = json.loads(text)
                 assert out["choices"][0]["finish_reason"] in ("length", "stop")
                 assert out["usage"]["completion_tokens"] >= 1
+
+        def applied() -> float:  # KV-event batches smg's index took from a's stream (b has none: UNIMPLEMENTED)
+            text = httpx.get(smg.metrics_url, timeout=10).text  # type: ignore[attr-defined]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("smg_kv_event_batches_total{") and '"applied"' in line)
+
+        # A prompt of a few KV blocks on replica a (whichever replica smg picked above): a publishes its blocks on
+        # the SubscribeKvEvents stream smg holds, and smg's index applies them.
+        collect(a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
+        _until(lambda: applied() > 0, timeout=60)
     finally:
         smg.stop()
     after = [generates(a), generates(b)]
     served = [x - y for x, y in zip(after, before, strict=True)]
+    served[0] -= 1  # the direct Generate on a
     assert sum(served) >= 36 and all(n > 0 for n in served), served
 
 
