@@ -125,19 +125,23 @@ def engine_args(settings: Settings) -> Any:
     if settings.block_size:
         kw["block_size"] = settings.block_size
     if settings.kv_events_port is not None:
-        kw["kv_events_config"] = kv_events_config(settings.kv_events_port)
+        kw["kv_events_config"] = kv_events_config(settings.kv_events_port, settings.data_parallel_size)
     if has_tokenizer(settings.model) and ships_processor(settings.model):
         kw.update(mm_engine_kwargs(settings))  # multimodal: the processor needs the tokenizer (app/engine_mm.py)
     kw.update(settings.extra)
     return AsyncEngineArgs(**kw)
 
 
-def kv_events_config(port: int) -> Any:
+def kv_events_config(port: int, dp_size: int = 1) -> Any:
     """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
-    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (app/dynamo.py)."""
+    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (app/dynamo.py), and
+    gRPC SubscribeKvEvents relays it (app/grpc_kv_events.py). Its replay socket (the last batches, for a subscriber
+    resuming from a sequence number) is on port + dp_size + r (free ports with 0)."""
     from vllm.config.kv_events import KVEventsConfig
 
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}")
+    replay = f"tcp://*:{port + dp_size}" if port else "tcp://*:0"
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
+                          replay_endpoint=replay)
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,11 @@ class Engine:
         """Where each DP rank's engine core publishes its KV-cache events (bound addresses; empty when off)."""
         return {int(rank): str(cfg.endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
                 if cfg.enable_kv_cache_events and cfg.endpoint}
+
+    def kv_event_replay_endpoints(self) -> dict[int, str]:
+        """Where each DP rank's publisher answers replay requests (bound addresses; empty when off)."""
+        return {int(rank): str(cfg.replay_endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
+                if cfg.enable_kv_cache_events and cfg.replay_endpoint}
 
     def scheduler_load(self) -> tuple[int, int, float] | None:
         """Running and waiting requests and KV usage from the engine's latest scheduler stats, when vLLM's stat

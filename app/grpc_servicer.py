@@ -30,6 +30,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from app.grpc_kv_events import CursorExpired, stream_batches
 from app.grpc_status import GrpcCall, fail
 from app.protocol import ApiError, GenerateRequest, bad_request, validation_error
 from app.sampling import build_sampling_params, check_prompt
@@ -324,12 +325,44 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(data=data[i:i + TOKENIZER_CHUNK], sha256=digest if last else "")
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,  # noqa: N802
-                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
-        # Answered at once (the gateway marks a worker unreachable when this stream stays silent for ~2 s).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV cache events are not published by this tito server; route with the gateway's own "
-                            "prefix tree (smg's cache_aware policy does) or by load.")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this an async generator, as the stub expects
+                                context: grpc.aio.ServicerContext) -> None:
+        """The engine's KV-cache events (app/grpc_kv_events.py), from ``start_sequence_number`` on. DP rank 0's
+        publisher only: each rank numbers its batches on its own, and one stream has one sequence (as smg's own
+        vLLM servicer does). No ``load`` records ride along: smg keeps polling GetLoads for this worker."""
+        call = GrpcCall("SubscribeKvEvents")
+        state = self.state
+        endpoints = state.engine.kv_event_endpoints()
+        if not endpoints:
+            # UNIMPLEMENTED, at once: the gateway then stops subscribing to this worker instead of retrying.
+            call.done(grpc.StatusCode.UNIMPLEMENTED)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "KV cache events are off on this tito server: start it with --kv-events-port "
+                                "(0 picks a free port) to stream them.")
+        rank = min(endpoints)
+        replay = state.engine.kv_event_replay_endpoints().get(rank)
+        # Headers at once: the gateway bounds how long the subscription may take to answer.
+        await context.send_initial_metadata(())
+
+        def wanted() -> bool:  # the stream ends (OK) when the server shuts down or its engine died
+            return not context.cancelled() and not state.shutting_down and not state.engine.errored
+
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            async for batch in stream_batches(endpoints[rank], replay, request.start_sequence_number, wanted):
+                await context.write(batch)
+        except CursorExpired as e:
+            code, message = grpc.StatusCode.OUT_OF_RANGE, f"{e}; subscribe with start_sequence_number 0."
+        except TimeoutError as e:
+            code, message = grpc.StatusCode.UNAVAILABLE, str(e)
+        except asyncio.CancelledError:
+            call.done(grpc.StatusCode.CANCELLED)
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken publisher socket ends the stream with a status, not a hang
+            log.exception("SubscribeKvEvents failed")
+            code, message = grpc.StatusCode.INTERNAL, f"KV event relay failed: {e}"
+        call.done(code)
+        if code is not grpc.StatusCode.OK:
+            await context.abort(code, message)
 
 
 def _tokenizer_files(model_dir: Path) -> list[Path]:

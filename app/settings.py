@@ -64,8 +64,8 @@ class Settings:
     block_size: int | None = flag(None, "Tokens per KV cache block (default: vLLM's; 128 on CPU, where it must be a "
                                   "multiple of 32).")
     kv_events_port: int | None = flag(
-        None, "Publish KV-cache events (vLLM's ZMQ publisher) on this port, data-parallel rank r on port+r, for "
-        "Dynamo's KV router; 0 picks free ports. Unset: off.")
+        None, "Publish KV-cache events (vLLM's ZMQ publisher) on this port, data-parallel rank r on port+r (replay "
+        "buffer on port+DP+r), for Dynamo's KV router and gRPC SubscribeKvEvents; 0 picks free ports. Unset: off.")
     enable_lora: bool = flag(False, "Serve LoRA adapters.")
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")

@@ -207,6 +207,9 @@ class FakeEngine:
     def kv_event_endpoints(self) -> dict[int, str]:
         return {}
 
+    def kv_event_replay_endpoints(self) -> dict[int, str]:
+        return {}
+
     def scheduler_load(self) -> tuple[int, int, float] | None:
         return None
 

@@ -43,13 +43,15 @@ class Replica:
         return httpx.Client(base_url=self.url, timeout=120.0)
 
 
-def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, *extra: str) -> Replica:
+def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, *extra: str,
+                  env: dict[str, str] | None = None) -> Replica:
     """tito with ``--grpc-port``, on free ports. No API key: smg 1.13 sends none to gRPC workers (its ``--api-key``
     reaches HTTP workers only), so replicas behind it run without one; keys are tested in test_grpc_auth.py."""
     port = free_port()
     cmd = tito_cmd(model, free_port(), "--allowed-weight-root", str(tmp_path_factory.getbasetemp()),
                    "--grpc-port", str(port), *extra)
-    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log")
+    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log",
+                           env=engine_env(env))
     try:
         # A generous start: two replicas start back to back, on a machine other engines may share.
         return Replica(server.start(timeout=600), port)
@@ -119,12 +121,13 @@ def smg_binary() -> str:
 def start_smg(workers: Sequence[Replica], model_dir: Path, log_path: Path, policy: str = "cache_aware",
               timeout: float = 120.0) -> ServerProcess:
     """The smg gateway (Rust) routing to ``workers`` over gRPC; ready once it lists every worker healthy."""
-    port = free_port()
+    port, prometheus = free_port(), free_port()
     cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[f"grpc://{w.target}" for w in workers], "--policy", policy,
-           "--model-path", str(model_dir), "--prometheus-port", str(free_port()),
+           "--model-path", str(model_dir), "--prometheus-port", str(prometheus),
            "--log-level", "info"]
     proc = ServerProcess(cmd, port, log_path, env=engine_env(), health_path="/health")
+    proc.metrics_url = f"http://127.0.0.1:{prometheus}/metrics"  # type: ignore[attr-defined]
     proc.start(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,6 +9,7 @@ SIGTERM test (last in the file). Keys are tested in test_grpc_auth.py (smg sends
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import signal
@@ -35,6 +36,7 @@ from tests.tokenizer_files import model_with_tokenizer
 
 ENGINE = "vllm.grpc.engine.VllmEngine"
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [5, 6, 7, 8, 9, 10, 11, 12]]
+BLOCK = 32  # replica a's KV block size: a few blocks of prompt publish KV events
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,9 @@ def tok_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def a(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
-    r = start_replica(tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5")
+    # KV events on (SubscribeKvEvents); VLLM_HOST_IP: the publisher's free ports (--kv-events-port 0) on loopback.
+    r = start_replica(tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5", "--kv-events-port", "0",
+                      "--block-size", str(BLOCK), env={"VLLM_HOST_IP": "127.0.0.1"})
     yield r
     r.server.stop()
 
@@ -193,10 +197,114 @@ def test_server_and_model_info_carry_what_server_info_says(a: Replica) -> None:
 
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
     assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(data)).namelist()
-    # No KV events: said at once (a gateway treats a silent stream as an unreachable worker).
+
+
+# --------------------------------------------------------------------------------------------------- KV events
+
+
+class _Subscription:
+    """A SubscribeKvEvents call read by a thread into ``batches``."""
+
+    def __init__(self, r: Replica, start: int = 0) -> None:
+        self.call = r.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=start))
+        self.call.initial_metadata()  # the headers come at once, before any event
+        self.batches: list[common_pb2.KvEventBatch] = []
+        self.error: grpc.RpcError | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.call:
+                self.batches.append(batch)
+        except grpc.RpcError as e:
+            self.error = e
+
+    def stored(self) -> list[list[int]]:
+        """The token ids of every stored block, in order."""
+        return [list(b.token_ids) for x in list(self.batches) for e in x.events if e.HasField("stored")
+                for b in e.stored.blocks]
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def _no_ids(batch: common_pb2.KvEventBatch) -> common_pb2.KvEventBatch:
+    """The batch without its event ids (each stream numbers its events from 1)."""
+    out = common_pb2.KvEventBatch()
+    out.CopyFrom(batch)
+    for e in out.events:
+        e.event_id = 0
+    return out
+
+
+def _blocks(ids: list[int]) -> list[list[int]]:
+    return [ids[i:i + BLOCK] for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK)]
+
+
+def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Replica, b: Replica) -> None:
+    rng = np.random.default_rng(int(time.time()))
+    stub = a.stub()
+    sub = _Subscription(a)
+    try:
+        # The stream's ZMQ subscription joins asynchronously: one short request until the stream carries events.
+        for _ in range(5):
+            warm = [int(t) for t in rng.integers(3, 500, BLOCK + 1)]
+            collect(stub.Generate(gen_request(warm, 1)))
+            with contextlib.suppress(AssertionError):
+                _until(lambda w=warm: _blocks(w)[0] in sub.stored(), timeout=10)
+                break
+        assert sub.batches, "no KV event reached the stream"
+        prompt = [int(t) for t in rng.integers(3, 500, 3 * BLOCK + 5)]  # 3 full blocks and a partial one
+        mark = len(sub.batches)
+        got = collect(stub.Generate(gen_request(prompt, 4, ignore_eos=True)))
+        assert len(got["tokens"]) == 4
+        _until(lambda: all(blk in sub.stored() for blk in _blocks(prompt)), timeout=60)
+        new = sub.batches[mark:]
+        stored = [e.stored for x in new for e in x.events if e.HasField("stored")]
+        blocks = [blk for st in stored for blk in st.blocks]
+        tokens = [list(blk.token_ids) for blk in blocks]
+        i = tokens.index(_blocks(prompt)[0])
+        assert tokens[i:i + 3] == _blocks(prompt)  # the prompt's full blocks, in order; not its partial tail
+        assert all(blk.block_size == BLOCK for blk in blocks) and all(x.dp_rank == 0 for x in new)
+        # The chain: the first block has no parent; a store that starts at a later block names the block before it.
+        chain = [blk.block_hash for blk in blocks[i:i + 3]]
+        for st in stored:
+            if st.blocks[0].block_hash in chain:
+                k = chain.index(st.blocks[0].block_hash)
+                assert st.parent_block_hash == chain[k - 1] if k else not st.HasField("parent_block_hash")
+        seqs = [x.sequence_number for x in sub.batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # the publisher's numbers, consecutive
+        # Resuming from a sequence replays the same batches from the engine's buffer, then goes on live.
+        again = _Subscription(a, start=new[0].sequence_number)
+        try:
+            _until(lambda: len(again.batches) >= len(new), timeout=30)
+            assert [_no_ids(x) for x in again.batches[:len(new)]] == [_no_ids(x) for x in new]
+        finally:
+            again.close()
+    finally:
+        sub.close()
+    assert sub.error is not None and sub.error.code() is grpc.StatusCode.CANCELLED
+
+    def cancelled() -> float:
+        with a.http() as c:
+            return metric_value(c.get("/metrics").text, "tito_grpc_requests_total",
+                                {"method": "SubscribeKvEvents", "code": "CANCELLED"}) or 0.0
+
+    _until(lambda: cancelled() >= 2, timeout=30)  # both server-side streams ended (their sockets closed)
+    # A cursor beyond what the engine published (a subscriber from before an engine restart): refused at the
+    # next batch, not skipped silently.
+    ahead = a.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9), timeout=120)
+    ahead.initial_metadata()
+    collect(stub.Generate(gen_request([int(t) for t in rng.integers(3, 500, BLOCK + 1)], 1)))
+    code, details = code_of(lambda: list(ahead))
+    assert code is grpc.StatusCode.OUT_OF_RANGE and "start_sequence_number 0" in details, details
+    # Without --kv-events-port: said at once, naming the flag (smg then stops subscribing to that worker).
     t0 = time.monotonic()
-    code, details = code_of(lambda: stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
-    assert code is grpc.StatusCode.UNIMPLEMENTED and "KV cache events" in details
+    code, details = code_of(lambda: list(b.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())))
+    assert code is grpc.StatusCode.UNIMPLEMENTED and "--kv-events-port" in details
     assert time.monotonic() - t0 < 10
 
 
@@ -319,10 +427,21 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
                 out = json.loads(text)
                 assert out["choices"][0]["finish_reason"] in ("length", "stop")
                 assert out["usage"]["completion_tokens"] >= 1
+
+        def applied() -> float:  # KV-event batches smg's index took from a's stream (b has none: UNIMPLEMENTED)
+            text = httpx.get(smg.metrics_url, timeout=10).text  # type: ignore[attr-defined]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("smg_kv_event_batches_total{") and '"applied"' in line)
+
+        # A prompt of a few KV blocks on replica a (whichever replica smg picked above): a publishes its blocks on
+        # the SubscribeKvEvents stream smg holds, and smg's index applies them.
+        collect(a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
+        _until(lambda: applied() > 0, timeout=60)
     finally:
         smg.stop()
     after = [generates(a), generates(b)]
     served = [x - y for x, y in zip(after, before, strict=True)]
+    served[0] -= 1  # the direct Generate on a
     assert sum(served) >= 36 and all(n > 0 for n in served), served
 
 
