@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app import metrics
+from app.control import ControlPlane
 from app.protocol import ApiError
 from app.weights import UNTOUCHED, UpdateOutcome, WeightManager
 
@@ -66,7 +67,9 @@ class StubState:
         self.settings = SimpleNamespace(model="/nonexistent")
         self.weight_version = "default"
         self.aborted = 0
+        self.inflight = 0
         self.weights = WeightManager(self)  # type: ignore[arg-type]
+        self.control = ControlPlane(self)  # type: ignore[arg-type]
 
     async def abort(self, ids: list[str] | None = None) -> int:
         self.aborted += 1
