@@ -75,7 +75,7 @@ class FakeEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, token_ids: list[int], params: Any, request_id: str, *, cache_salt: str | None = None,
-                 lora: Any = None, priority: int = 0, data_parallel_rank: int | None = None
+                 lora: Any = None, priority: int = 0, data_parallel_rank: int | None = None, prompt: Any = None
                  ) -> AsyncIterator[FakeOutput]:
         self.calls.append(("generate", {"request_id": request_id, "lora": lora, "rank": data_parallel_rank}))
         return self._run(list(token_ids), params, request_id)
