@@ -59,9 +59,10 @@ test: $(VENV)/.installed-test $(MODEL)/config.json lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
-# nothing). Table on stdout, results/bench.json and results/bench.png.
+# nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
 bench: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(BENCH_ARGS)
+	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 
 clean:
 	rm -rf $(VENV) models results .pytest_cache .mypy_cache .ruff_cache

@@ -105,6 +105,7 @@ def engine_args(settings: Settings) -> Any:
         enable_prefix_caching=settings.enable_prefix_caching,
         scheduling_policy=settings.scheduling_policy,
         max_logprobs=settings.max_logprobs,
+        stream_interval=settings.stream_interval,
         # tito is a token server: it never detokenizes, so it loads no tokenizer.
         skip_tokenizer_init=True,
         disable_log_stats=False,

@@ -70,6 +70,8 @@ class Settings:
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
+    stream_interval: int = flag(1, "Tokens per streamed event (vLLM's stream_interval): 1 sends every engine step's "
+                                "tokens at once; N > 1 fewer, larger events (the first and last still at once).")
     warmup: bool = flag(True, "Run one real generation before reporting ready.")
     weight_transfer_backend: str | None = flag(
         None, "vLLM weight-transfer backend for /init_weight_transfer_engine (nccl, ipc, ...; all need a GPU).")

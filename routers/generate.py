@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -243,6 +244,22 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+_DONE = b"data: [DONE]\n\n"
+_IDS_MARK = b'"token_ids":[]'
+
+
+def _plain_event_parts(request_id: str, index: int) -> tuple[bytes, bytes]:
+    """The bytes of a plain mid-stream event (tokens only: no finish, logprobs or usage; the bulk of a stream) before
+    and after its token ids. Cut out of the general form built by ``_choice``, so the two cannot differ."""
+    blank = SimpleNamespace(index=index, finish_reason=None, stop_reason=None, token_ids=[], weight_versions=None,
+                            logprobs=None)
+    whole = _sse({"request_id": request_id, "usage": None, "output_mode": "tokens",
+                  "choices": [_choice(blank, None, final=False)]})  # type: ignore[arg-type]
+    head, mark, tail = whole.partition(_IDS_MARK)
+    assert mark and _IDS_MARK not in tail
+    return head + b'"token_ids":', tail
+
+
 class _Stream:
     """One streamed answer: turns the engine's delta outputs into SSE chunks and owns the request's in-flight slot,
     released exactly once: by the stream when it runs, or by ``_SseResponse`` when the client left before it did."""
@@ -278,6 +295,8 @@ class _Stream:
                                                              self.num_lp, self.continuous)
         prompt_ids, mm_placeholders = self.prompt_ids, self.mm_placeholders
         generated = [0] * self.n
+        # Per choice index: the byte template of its plain events, made at its first one (see _plain_event_parts).
+        plain: list[tuple[bytes, bytes] | None] | None = None if num_lp is not None or continuous else [None] * self.n
         cached: int | None = None
         finished = False
         try:
@@ -293,6 +312,12 @@ class _Stream:
                     generated[i] += len(out.token_ids)
                     # Terminal outputs are always sent (an abort may carry no tokens) so the client sees the reason.
                     if not out.token_ids and out.finish_reason is None:
+                        continue
+                    if (plain is not None and out.finish_reason is None and out.weight_versions is None
+                            and prompt_ids is None and mm_placeholders is None):
+                        parts = plain[i] or _plain_event_parts(request_id, i)
+                        plain[i] = parts
+                        yield parts[0] + orjson.dumps(out.token_ids) + parts[1]
                         continue
                     chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
                                              "choices": [_choice(out, num_lp, final=False)]}
@@ -324,11 +349,14 @@ class _Stream:
                 # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
                 # suspended and would only abort when garbage-collected, so abort the request now.
                 _background(state.engine.abort(self.engine_id))
-        yield b"data: [DONE]\n\n"
+        yield _DONE
 
 
 class _SseResponse(StreamingResponse):
-    """The SSE answer. If the client is gone before Starlette starts the body, the generator never runs (nor its
+    """The SSE answer, sent by a lean ASGI loop rather than Starlette's (which runs the body in an anyio task group,
+    with a second task listening for the disconnect): this task sends every event, one watcher task cancels it when
+    the client goes away (the stream's ``finally`` then aborts the engine request), and ``[DONE]`` goes out with the
+    end of the body in one write. If the client is gone before the body starts, the generator never runs (nor its
     ``finally``): release the in-flight slot here, or a drain would wait for it forever."""
 
     def __init__(self, stream: _Stream) -> None:
@@ -338,9 +366,36 @@ class _SseResponse(StreamingResponse):
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        events = self.body_iterator
+        done = gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not done:  # not the disconnect that the end of the answer itself reports
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in events:
+                done = chunk is _DONE  # always the stream's last event
+                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+            if not done:
+                done = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # the server is shutting down: not ours to swallow
+            task.uncancel()  # the client left: the stream's finally has aborted its engine request
         finally:
+            done = True
+            watcher.cancel()
+            await events.aclose()  # type: ignore[attr-defined]
             self._stream.release_unstarted()
 
 

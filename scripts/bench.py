@@ -46,6 +46,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -530,12 +531,12 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
 
 
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
-               client: str) -> dict[str, Any]:
+               client: str, tito_args: tuple[str, ...] = ()) -> dict[str, Any]:
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 
     port = free_port()
     if system == "tito":
-        cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN))
+        cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
     else:
         cmd = vllm_cmd(model, port)
     # Server and load generator stay in this session (ServerProcess only makes a new process group): one CFS
@@ -677,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=sorted(CLIENTS), default="raw",
                    help="HTTP load generator: raw (default; a bare asyncio protocol with httptools, the cheapest) or "
                         "aiohttp (for comparison).")
+    p.add_argument("--tito-args", default="",
+                   help="Extra flags for tito's server, e.g. --tito-args='--stream-interval 4'.")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -735,7 +738,8 @@ def main(argv: list[str] | None = None) -> int:
                 burn = {wl.name: extra_cores(this["tito"][wl.name], this["inprocess"][wl.name]) for wl in workloads}
                 this[s] = run_inprocess(model, workloads, logs, timeout, burn)
             else:
-                this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client)
+                this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
+                                     tuple(shlex.split(ns.tito_args)))
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
             print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
                   file=sys.stderr, flush=True)
@@ -745,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, systems, workloads, ns.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick, "systems": systems,
-            "client": ns.client,
+            "client": ns.client, "tito_args": ns.tito_args,
             "workloads": [asdict(w) for w in workloads], "cpus": os.cpu_count(), "python": platform.python_version(),
             "machine": platform.machine(), "max_model_len": MAX_MODEL_LEN}
     doc = {"meta": meta, "summary": summary, "rounds": rounds}

@@ -1,23 +1,32 @@
-"""Benchmark: an update from disk (``POST /update_weights``) against reading the same files, as a ratio (goal <= 1.5).
+"""Benchmark: an update from disk (``POST /update_weights``) against vLLM's own in-place reload of the same checkpoint
+and against reading the files.
 
-Writes a random Qwen3 of a few hundred MB (fp32) plus two trainer-style step directories, starts tito on it, then
-alternates updates between the two steps. The read baseline reads every byte of the same files (page cache warm,
-as the update's are). Both are timed end to end; the best of ``--repeat`` runs is compared.
+Writes a random Qwen3 of a few hundred MB (fp32) plus two trainer-style step directories, then, one system at a time:
+tito (``/update_weights``) and vLLM's own server (``VLLM_SERVER_DEV_MODE=1``, ``/collective_rpc`` ``reload_weights``
+with ``weights_path``: what tito runs inside the worker, without tito's validation, pause/resume and prefix-cache
+reset). Each alternates between the two steps: one untimed warm-up, then ``--repeat`` timed loads, end to end from
+the client, with the CPU time of the server's processes (API + engine) per load. The read baseline reads every byte of
+the same files (page cache warm, as the loads' are). Goals: tito / vLLM <= 1.05, tito / read <= 1.5 (best of runs).
 
-    .venv/bin/python scripts/bench_weights.py [--workdir /tmp/tito-bench] [--repeat 5]
+``--profile`` also samples the engine process with py-spy (``pip install py-spy``) during each system's timed loads and
+reports the share of the reload spent re-processing the loaded layers (``process_weights_after_loading``; on CPU that
+is where vLLM re-packs every linear weight for oneDNN).
+
+    .venv/bin/python scripts/bench_weights.py [--workdir /tmp/tito-bench] [--repeat 5] [--systems tito,vllm] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
+import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,6 +41,10 @@ BENCH_CONFIG = {
     "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "use_cache": True, "use_sliding_window": False,
 }
+# Frames of the reload as py-spy names them (vLLM 0.32): the whole reload, and the re-processing after loading.
+RELOAD_FRAME = "reload_weights ("
+PROCESS_FRAME = "process_weights_after_loading ("
+ONEDNN_FRAMES = ("dispatch_cpu_unquantized_gemm (", "create_onednn_mm (")
 
 
 def write_checkpoints(work: Path) -> tuple[Path, list[Path]]:
@@ -59,58 +72,161 @@ def read_all(d: Path) -> float:
     return time.perf_counter() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (the server's API and engine processes)."""
+    import psutil
+
+    total = 0.0
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def engine_pid(pid: int) -> int:
+    """The process that runs the model (the EngineCore, which holds the worker on CPU): the busiest descendant."""
+    import psutil
+
+    kids = psutil.Process(pid).children(recursive=True)
+    return max(kids, key=lambda p: sum(p.cpu_times()[:2])).pid if kids else pid
+
+
+class Spy:
+    """py-spy sampling one process to a collapsed-stack file while the ``with`` block runs."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Spy:
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        self.proc = subprocess.Popen([exe, "record", "-p", str(self.pid), "-r", "100", "--nonblocking", "--format",
+                                      "raw", "-o", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached before the first load
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def reload_shares(stacks: Path) -> dict[str, float] | None:
+    """Of the samples inside vLLM's reload: the share re-processing layers, and the share of that in oneDNN packing."""
+    if not stacks.exists():
+        return None
+    c: Counter[str] = Counter()
+    for line in stacks.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if RELOAD_FRAME not in stack:
+            continue
+        c["reload"] += int(n)
+        if PROCESS_FRAME in stack:
+            c["process"] += int(n)
+            if any(f in stack for f in ONEDNN_FRAMES):
+                c["onednn"] += int(n)
+    if not c["reload"]:
+        return None
+    return {"samples": c["reload"], "process_share": c["process"] / c["reload"],
+            "onednn_share": c["onednn"] / c["reload"]}
+
+
+def run_system(system: str, model: Path, steps: list[Path], work: Path, repeat: int, profile: bool) -> dict[str, Any]:
+    from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+
+    port = free_port()
+    if system == "tito":
+        cmd = tito_cmd(model, port, "--max-model-len", "512", "--allowed-weight-root", str(work))
+        env = engine_env()
+    else:
+        cmd = vllm_cmd(model, port)  # max_model_len 512, eager, fp32: tito's settings on CPU
+        env = engine_env({"VLLM_SERVER_DEV_MODE": "1"})  # mounts /collective_rpc
+    server = ServerProcess(cmd, port, work / f"{system}.log", env=env).start(timeout=600)
+    assert server.proc is not None
+    loads, cpus, reads, server_s = [], [], [], []
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+
+            def load(i: int) -> None:
+                d = steps[i % 2]
+                if system == "tito":
+                    r = c.post("/update_weights", json={"weight_dir": str(d), "weight_version": f"bench-{i}"})
+                    assert r.status_code == 200, r.text
+                    server_s.append(float(r.json()["seconds"]))
+                else:
+                    r = c.post("/collective_rpc", json={"method": "reload_weights",
+                                                        "kwargs": {"weights_path": str(d)}})
+                    assert r.status_code == 200, r.text
+
+            load(-1)  # warm-up: the first load of a server pays one-time costs
+            spy = Spy(engine_pid(server.proc.pid), work / f"{system}.stacks") if profile else None
+            if spy:
+                spy.__enter__()
+            try:
+                for i in range(repeat):
+                    reads.append(read_all(steps[i % 2]))
+                    c0, t0 = tree_cpu_s(server.proc.pid), time.perf_counter()
+                    load(i)
+                    loads.append(time.perf_counter() - t0)
+                    cpus.append(tree_cpu_s(server.proc.pid) - c0)
+                    print(f"{system} run {i}: {loads[-1]:.3f}s, cpu {cpus[-1]:.2f}s, read {reads[-1]:.3f}s",
+                          file=sys.stderr)
+            finally:
+                if spy:
+                    spy.__exit__()
+    finally:
+        server.stop()
+    out: dict[str, Any] = {"best_s": min(loads), "median_s": statistics.median(loads),
+                           "cpu_s": statistics.median(cpus), "read_s": min(reads), "runs_s": loads}
+    if server_s:
+        out["server_best_s"] = min(server_s)
+    if profile:
+        out["profile"] = reload_shares(work / f"{system}.stacks")
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/tito-bench-weights"))
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--systems", default="tito,vllm", help="Comma-separated subset of tito,vllm.")
+    p.add_argument("--profile", action="store_true", help="Sample the engine with py-spy: re-processing share.")
+    p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     a = p.parse_args()
     model, steps = write_checkpoints(a.workdir)
     size = (steps[0] / "model.safetensors").stat().st_size
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    log = (a.workdir / "server.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "256", "--allowed-weight-root", str(a.workdir)],
-                            cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start; see {a.workdir / 'server.log'}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        updates, reads = [], []
-        with httpx.Client(base_url=url, timeout=600) as c:
-            for i in range(a.repeat):
-                d = steps[i % 2]
-                reads.append(read_all(d))
-                t0 = time.perf_counter()
-                r = c.post("/update_weights", json={"weight_dir": str(d), "weight_version": f"bench-{i}"})
-                updates.append(time.perf_counter() - t0)
-                assert r.status_code == 200, r.text
-                print(f"run {i}: update {updates[-1]:.3f}s (server {r.json()['seconds']:.3f}s), "
-                      f"read {reads[-1]:.3f}s")
-        best_u, best_r = min(updates), min(reads)
-        print(f"checkpoint {size / 1e6:.0f} MB: update {best_u:.3f}s, read {best_r:.3f}s, "
-              f"ratio {best_u / best_r:.2f} (goal <= 1.5)")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    res = {s: run_system(s, model, steps, a.workdir, a.repeat, a.profile) for s in a.systems.split(",") if s}
+    read = min(r["read_s"] for r in res.values())
+    names = {"tito": "tito POST /update_weights", "vllm": "vLLM /collective_rpc reload_weights"}
+    print(f"\nweight update, checkpoint {size / 1e6:.0f} MB fp32, {a.repeat} runs per system (one warm-up before)")
+    print(f"{'system':<38} {'best s':>7} {'median s':>8} {'cpu s/update':>12} {'/ read':>7}")
+    for s, r in res.items():
+        print(f"{names[s]:<38} {r['best_s']:7.3f} {r['median_s']:8.3f} {r['cpu_s']:12.2f} {r['best_s'] / read:7.2f}")
+    print(f"{'read the files (page cache warm)':<38} {read:7.3f}")
+    if "tito" in res and "vllm" in res:
+        t, v = res["tito"], res["vllm"]
+        print(f"tito / vLLM: best {t['best_s'] / v['best_s']:.3f}, median {t['median_s'] / v['median_s']:.3f} "
+              f"(goal <= 1.05); tito / read {t['best_s'] / read:.2f} (goal <= 1.5)")
+    for s, r in res.items():
+        prof = r.get("profile")
+        if prof:
+            print(f"{names[s]}: of the reload's {prof['samples']} py-spy samples, {prof['process_share']:.0%} "
+                  f"re-process the loaded layers, {prof['onednn_share']:.0%} in oneDNN weight packing")
+    if a.json:
+        a.json.write_text(json.dumps({"checkpoint_bytes": size, "read_s": read, "systems": res}, indent=2))
     return 0
 
 

@@ -10,7 +10,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from app.client import TitoClient
@@ -28,9 +30,14 @@ def tito(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
                           env=full_env, timeout=timeout)
 
 
+# This module's server also carries the opt-in --stream-interval (tested at the end), sparing an engine start.
+STREAM_INTERVAL = 4
+
+
 @pytest.fixture(scope="module")
 def cli_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", name="cli-admin")
+    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8",
+                        "--stream-interval", str(STREAM_INTERVAL), name="cli-admin")
     yield server
     server.stop()
 
@@ -184,3 +191,35 @@ def test_pause_and_resume(cli_server: ServerProcess) -> None:
         out = tito("resume", "--url", cli_server.url)
     assert out.returncode == 0 and out.stdout.startswith("resumed: ")
     assert "serving" in tito("status", "--url", cli_server.url).stdout
+
+
+def _stream_choices(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The choice of every SSE event of one streamed request (n=1)."""
+    with httpx.Client(base_url=url, timeout=120.0) as c, c.stream("POST", "/inference/v1/generate",
+                                                                  json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
+
+
+def test_stream_interval_sends_fewer_larger_events_with_the_same_tokens(cli_server: ServerProcess,
+                                                                        tito_url: str) -> None:
+    m, n = 25, STREAM_INTERVAL
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": m, "temperature": 0, "ignore_eos": True,
+                                                        "logprobs": 1}}
+    chunks = _stream_choices(cli_server.url, body)
+    tokens = [t for ch in chunks for t in ch["token_ids"]]
+    logprobs = [e["logprob"] for ch in chunks for e in ch["logprobs"]["content"]]
+    sizes = [len(ch["token_ids"]) for ch in chunks]
+    # The first token comes at once, then one event per n tokens (or more when the client reads late), the rest last.
+    assert len(chunks) <= 1 + -(-(m - 1) // n), sizes
+    assert all(s >= n for s in sizes[1:-1]), sizes
+    assert chunks[-1]["finish_reason"] == "length"
+    # The same tokens and logprobs as the JSON answer of this server and the default server's (interval 1) stream.
+    with httpx.Client(base_url=cli_server.url, timeout=120.0) as c:
+        whole = c.post("/inference/v1/generate", json=body).json()["choices"][0]
+    assert tokens == whole["token_ids"] and len(tokens) == m
+    assert logprobs == pytest.approx([e["logprob"] for e in whole["logprobs"]["content"]], abs=1e-5)
+    default = _stream_choices(tito_url, body)
+    assert [t for ch in default for t in ch["token_ids"]] == tokens

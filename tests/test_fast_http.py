@@ -272,3 +272,38 @@ async def test_status_capture_feeds_the_request_counter_and_the_request_log(capl
         lines = [(r.getMessage(), getattr(r, "request_id", None)) for r in caplog.records if r.name == "tito.request"]
         assert lines[0][0].startswith(f"POST {GEN} 200 ") and lines[0][1] == "generate-tokens-logme"
         assert lines[1][0].startswith(f"POST {GEN} 400 ")
+
+
+@pytest.mark.parametrize("request_id", ["generate-tokens-abc", 'generate-tokens-"token_ids":[]', "generate-tokens-é\n"])
+@pytest.mark.parametrize("index", [0, 3])
+def test_plain_stream_events_are_the_general_form_byte_for_byte(request_id: str, index: int) -> None:
+    """Mid-stream events come from a byte template (routers/generate.py ``_plain_event_parts``); the bytes must be
+    exactly those of the general chunk, whatever the request id holds."""
+    from types import SimpleNamespace
+
+    import orjson
+
+    from routers.generate import _choice, _plain_event_parts, _sse
+
+    head, tail = _plain_event_parts(request_id, index)
+    for ids in ([7], [1, 2, 3, 4], list(range(500))):
+        out = SimpleNamespace(index=index, finish_reason=None, stop_reason=None, token_ids=ids, weight_versions=None,
+                              logprobs=None)
+        general = _sse({"request_id": request_id, "usage": None, "output_mode": "tokens",
+                        "choices": [_choice(out, None, final=False)]})  # type: ignore[arg-type]
+        assert head + orjson.dumps(ids) + tail == general
+
+
+async def test_stream_events_keep_the_general_key_order() -> None:
+    """The served stream (template for mid-stream events, general form for the last) parses to the same keys in the
+    same order for every event."""
+    async with serve() as (c, _):
+        r = await c.post(GEN, json={**OK, "stream": True})
+    lines = [ln for ln in r.text.split("\n\n") if ln]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 4
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == [4, 5, 6]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]
+    keys = {tuple(e) for e in events}
+    assert keys == {("request_id", "usage", "output_mode", "choices")}
+    assert len({tuple(e["choices"][0]) for e in events}) == 1
