@@ -136,3 +136,12 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 # EngineCore on the other, and a test process can then be descheduled for seconds, so its call sometimes lands after
 # the generation it targets has ended. The assertions stay strict; such a test gets up to two more tries.
 TIMING = pytest.mark.flaky(reruns=2, reruns_delay=2)
+
+
+def greedy_answer(client: httpx.Client) -> dict[str, list]:
+    """A fixed greedy request's tokens and sampled-token logprobs: what a weight update must reproduce exactly."""
+    body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 2}}
+    r = client.post("/inference/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    return {"tokens": ch["token_ids"], "logprobs": [e["logprob"] for e in ch["logprobs"]["content"]]}

@@ -20,7 +20,7 @@ import pytest
 
 from app.tiny_model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import start_tito
-from tests.helpers import ServerProcess, metric_value
+from tests.helpers import ServerProcess, greedy_answer, metric_value
 from tests.test_weights import GEN, PROMPTS, greedy, write_step
 
 pytestmark = pytest.mark.engine
@@ -52,13 +52,7 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def fresh(client: httpx.Client) -> dict:
-    return answer(client)
-
-
-def answer(client: httpx.Client) -> dict:
-    body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 2}}
-    ch = client.post(GEN, json=body).json()["choices"][0]
-    return {"tokens": ch["token_ids"], "logprobs": [e["logprob"] for e in ch["logprobs"]["content"]]}
+    return greedy_answer(client)
 
 
 def seeded(i: int, prompt_len: int, n: int) -> dict:
@@ -158,7 +152,7 @@ def test_rotary_with_non_default_theta_survives_updates(client, server, root, fr
     ref = Reference(d)
     assert greedy(client) == [ref.greedy(p, 8)[0] for p in PROMPTS]
     assert client.post("/reload_weights").status_code == 200
-    again = answer(client)
+    again = greedy_answer(client)
     assert again["tokens"] == fresh["tokens"] and again["logprobs"] == pytest.approx(fresh["logprobs"], abs=1e-5)
     log = server.log_text()
     digests = re.findall(r"rotary caches bit-identical before and after \((\w+)\)", log)

@@ -20,7 +20,7 @@ import pytest
 
 from app.tiny_model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import start_tito
-from tests.helpers import ServerProcess, free_port, metric_value
+from tests.helpers import ServerProcess, free_port, greedy_answer, metric_value
 from tests.test_broadcast import Sender, init
 from tests.test_weights import (
     CONTEXT,
@@ -70,15 +70,7 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def fresh(client: httpx.Client) -> dict:
     """This server's answer before any update: a fresh engine on the base weights (tokens and logprobs)."""
-    return answer(client)
-
-
-def answer(client: httpx.Client) -> dict:
-    body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 2}}
-    r = client.post(GEN, json=body)
-    assert r.status_code == 200, r.text
-    ch = r.json()["choices"][0]
-    return {"tokens": ch["token_ids"], "logprobs": [e["logprob"] for e in ch["logprobs"]["content"]]}
+    return greedy_answer(client)
 
 
 def arm(fault: Path, spec: str) -> None:
@@ -143,7 +135,7 @@ def test_worker_raises_mid_load_then_reload_repairs(client, server, root, fault,
     assert r.status_code == 200 and r.json()["weight_version"] == "default", r.text
     assert_consistent(client)
     assert client.get("/is_paused").json() == {"is_paused": False}
-    again = answer(client)
+    again = greedy_answer(client)
     assert again["tokens"] == fresh["tokens"]
     assert again["logprobs"] == pytest.approx(fresh["logprobs"], abs=1e-5)
 
@@ -230,7 +222,7 @@ def test_rotary_caches_bit_identical_and_one_info_line(client, server, root, fre
     assert update(client, write_step(root / "run" / "step_10", sd)).status_code == 200
     assert greedy(client) == reference_greedy(sd, root / "ref-20", PROMPTS, 8)
     assert client.post("/reload_weights").status_code == 200
-    again = answer(client)
+    again = greedy_answer(client)
     assert again["tokens"] == fresh["tokens"] and again["logprobs"] == pytest.approx(fresh["logprobs"], abs=1e-5)
     log = server.log_text()
     lines = re.findall(r"kept as is \(non-checkpoint buffers only\): (.+?); rotary caches bit-identical before "
