@@ -56,7 +56,7 @@ def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: s
         # A generous start: two replicas start back to back, on a machine other engines may share.
         return Replica(server.start(timeout=600), port)
     except RuntimeError:
-        server.stop()
+        server.kill()
         raise
 
 
@@ -138,7 +138,7 @@ def start_smg(workers: Sequence[Replica], model_dir: Path, log_path: Path, polic
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.stop()
+    proc.kill()
     raise RuntimeError(f"smg did not list {len(workers)} healthy workers:\n{proc.log_tail()}")
 
 

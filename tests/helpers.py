@@ -8,8 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -49,8 +50,11 @@ class ServerProcess:
         self.env = env or engine_env()
         self.health_path = health_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.first_answers: Any = None
 
-    def start(self, timeout: float = 240.0) -> ServerProcess:
+    def start(self, timeout: float = 240.0, on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
+        """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
+        answer of any status (a tito server is then still starting); what it returns is kept in ``first_answers``."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(ROOT), process_group=0)
@@ -60,12 +64,15 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 r = httpx.get(self.url + self.health_path, timeout=2.0)
+                if on_answer is not None:
+                    self.first_answers, on_answer = on_answer(self), None
+                    continue
                 if r.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
-        self.stop()
+            time.sleep(0.2)
+        self.kill()
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
@@ -92,6 +99,23 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
         # Whatever is left in the group (EngineCore, workers) goes too.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """End the server at once: SIGKILL to its whole group (server, EngineCore, workers). For fixtures' teardown,
+        where nothing checks how the server exits: a graceful stop costs ~6 s a server (vLLM's engine shutdown waits
+        for its worker, then kills the EngineCore after 5 s). Tests of a clean exit use ``signal``/``stop``."""
+        if self.proc is None:
+            return None
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -145,3 +169,33 @@ def greedy_answer(client: httpx.Client) -> dict[str, list]:
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     return {"tokens": ch["token_ids"], "logprobs": [e["logprob"] for e in ch["logprobs"]["content"]]}
+
+
+def restore_server(url: str, drop_broadcaster: bool = False) -> None:
+    """Leave a shared server as the next module expects it: nothing in flight, admitting (not draining, not paused),
+    the base weights it was started on (version "default", consistent) and, with ``drop_broadcaster``, no weight
+    broadcast group. Every step is a no-op on a server already in that state."""
+    with httpx.Client(base_url=url, timeout=120.0) as c:
+        c.post("/abort_requests", json={})
+        c.delete("/drain")
+        state = c.get("/server_info").json()["state"]
+        if state["weights_inconsistent"] or c.get("/weight_info").json()["weight_version"] != "default":
+            r = c.post("/reload_weights")  # re-reads the served model: the base weights, version "default"
+            assert r.status_code == 200, r.text
+        if drop_broadcaster:
+            # A join nobody answers drops the current group first (tito_init_broadcaster), then times out: 504.
+            r = c.post("/init_broadcaster", json={"host": "127.0.0.1", "port": free_port(), "rank_offset": 0,
+                                                  "inference_world_size": 1, "timeout": 1})
+            assert r.status_code == 504, r.text
+            r = c.post("/update_weights", json={"weight_dir": None})
+            assert r.status_code == 400 and "no broadcaster" in r.text, r.text
+        r = c.post("/resume")
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 60
+        while c.get("/health").json()["inflight"] != 0:
+            assert time.monotonic() < deadline, "requests still in flight"
+            time.sleep(0.05)
+        assert c.get("/is_paused").json() == {"is_paused": False}
+        assert c.get("/weight_info").json() == {"weight_version": "default"}
+        r = c.get("/ready")
+        assert r.status_code == 200, r.text

@@ -34,7 +34,7 @@ def admin_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                         "--log-format", "json", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
                         name="client-admin")
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temp
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", name="dp2")
     yield s
-    s.stop()
+    s.kill()
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ def frontend(dyn_env, tmp_path_factory) -> Iterator[tuple[ServerProcess, str]]:
     cmd = [sys.executable, "-m", "dynamo.frontend", "--http-port", str(http_port), "--discovery-backend", "file"]
     proc = ServerProcess(cmd, http_port, log, env=env, health_path="/live").start(timeout=120)
     yield proc, f"http://127.0.0.1:{rl_port}"
-    proc.stop()
+    proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def dyn_tito(tmp_path_factory, dyn_env, frontend) -> Iterator[ServerProcess]:
     bare = make_tiny_model(tmp_path_factory.mktemp("bare") / "tiny-qwen3", tokenizer=False)
     server = start_tito(tmp_path_factory, bare, "--dynamo-namespace", NS, env=dyn_env, name="tito-dynamo")
     yield server
-    server.stop()
+    server.kill()
 
 
 def workers(rl_url: str) -> list[dict[str, Any]]:

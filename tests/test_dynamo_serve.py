@@ -64,7 +64,7 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         try:
             return server.start(timeout=1200)  # two engines starting at once on a busy 2-core machine
         except RuntimeError:
-            server.stop()
+            server.kill()
             raise
 
     with ThreadPoolExecutor(2) as pool:
@@ -72,11 +72,11 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     servers = [f.result() for f in futures if f.exception() is None]
     if len(servers) < 2:
         for srv in servers:
-            srv.stop()
+            srv.kill()
         raise next(e for f in futures if (e := f.exception()) is not None)
     yield servers
     for s in servers:
-        s.stop()
+        s.kill()
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def kv_frontend(dyn_env, tmp_path_factory, replicas) -> Iterator[ServerProcess]:
     wait_for(lambda: len(generate_instances(dyn_env)) == 2, 120, "both replicas' generate in discovery")
     wait_for(lambda: _model_listed(fe), 120, "the model in the frontend's /v1/models")
     yield fe
-    fe.stop()
+    fe.kill()
 
 
 def _model_listed(fe: ServerProcess) -> bool:
@@ -301,7 +301,7 @@ def test_round_robin_shows_no_such_affinity(kv_frontend, replicas, dyn_env, tmp_
         wait_for(lambda: _model_listed(rr), 120, "the model in the round-robin frontend")
         same, hits = _affinity(rr, replicas, seed=2)
     finally:
-        rr.stop()
+        rr.kill()
     print(f"round-robin: {same}/10 second versions on the first version's replica; prefix hit tokens {hits}")
     assert same < 9
 

@@ -46,7 +46,7 @@ def fuzzed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-model-len", "64", "--max-num-seqs",
                         "4", "--max-logprobs", "5", env={"TITO_ADMIN_API_KEY": ADMIN_KEY}, name="tito-fuzz")
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def small(tmp_path_factory) -> Iterator[ServerProcess]:
     server = start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
                         "--num-kv-blocks", "20", name="tito-metrics")
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture

@@ -429,7 +429,7 @@ def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                         "--max-logit-bias", "2", "--max-body-bytes", "65536",
                         env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY}, name="tito-secured")
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[Ser
     srv = start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--num-kv-blocks", "40",
                      name="seeded")
     yield srv
-    srv.stop()
+    srv.kill()
 
 
 @pytest.fixture(scope="module")
