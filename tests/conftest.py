@@ -1,4 +1,15 @@
-"""Shared fixtures. One tito server (real vLLM engine, tiny model, fp32) is shared by the whole session."""
+"""Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started side by side.
+
+- ``tito``: the default server (no extra flags). Read-only tests and tests that put back what they change.
+- ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
+  the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
+  modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
+- ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
+- ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests.
+
+Modules whose flags change what every test there observes (API keys, small caps, data parallel, KV-cache size,
+another model) and tests that end their server keep their own.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +17,16 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from app.tiny_model import make_tiny_model
-from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+from tests.streaming import GEN, long_context_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -21,7 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
 _STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
-_ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server"}
+_ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
+                    "shared_servers"}
 
 
 @functools.cache
@@ -51,8 +66,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
+def start_timeout(factor: float = 1.0) -> float:
+    return float(os.environ.get("TITO_TEST_START_TIMEOUT", "240")) * factor
+
+
 def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: str,
-               env: dict[str, str] | None = None, name: str = "tito") -> ServerProcess:
+               env: dict[str, str] | None = None, name: str = "tito", timeout: float | None = None,
+               on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
     """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root.
 
     Between ``free_port()`` releasing the port and the server binding it, any outgoing connection on the machine may
@@ -63,20 +83,157 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
         log = tmp_path_factory.mktemp("logs") / f"{name}.log"
         server = ServerProcess(cmd, port, log, env=engine_env(env))
         try:
-            return server.start(timeout=float(os.environ.get("TITO_TEST_START_TIMEOUT", "240")))
+            return server.start(timeout=timeout or start_timeout(), on_answer=on_answer)
         except RuntimeError:
-            server.stop()  # no EngineCore left behind
+            server.kill()  # no EngineCore left behind
             if attempt == 2 or "address already in use" not in server.log_text().lower():
                 raise
     raise AssertionError("unreachable")
 
 
+def side_by_side(*starts: Callable[[], ServerProcess]) -> list[ServerProcess]:
+    """Run server starts at the same time and return the servers, in order. An engine start is mostly one core of
+    imports and set-up, one after the other in three processes: on two cores, two starts take little longer than
+    one. If any start fails, the others' servers are killed and the first error is raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(s) for s in starts]
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().kill()
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
+class Prestarted:
+    """Servers for tests that end their own server (SIGTERM, a killed engine), started side by side when the first is
+    asked for. Each test takes a fresh one (never used before it); a rerun of a test gets a new start."""
+
+    def __init__(self, starts: dict[str, Callable[[], ServerProcess]]) -> None:
+        self.starts = starts
+        self.ready: dict[str, ServerProcess] = {}
+        self.started = False
+        self.all: list[ServerProcess] = []
+
+    def take(self, name: str) -> ServerProcess:
+        if not self.started:
+            self.started = True
+            names = list(self.starts)
+            self.ready = dict(zip(names, side_by_side(*self.starts.values()), strict=True))
+            self.all += self.ready.values()
+        server = self.ready.pop(name, None)
+        if server is None:
+            server = self.starts[name]()
+            self.all.append(server)
+        return server
+
+    def kill_all(self) -> None:
+        for server in self.all:
+            server.kill()
+
+
+# --------------------------------------------------------------------------------------------- shared servers
+
+LONG_CONTEXT = 60096  # endless requests (60,000 tokens) after a prompt of a few tokens
+
+
+def first_answers(s: ServerProcess) -> dict[str, httpx.Response]:
+    """Every kind of route, asked at the port's first answer while the engine is still starting."""
+    with httpx.Client(base_url=s.url, timeout=5.0) as c:
+        return {"health": c.get("/health"), "ready": c.get("/ready"), "liveness": c.get("/liveness"),
+                "generate": c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
+                "pause": c.post("/pause"), "health_again": c.get("/health")}
+
+
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where ``long_tito``'s worker looks for a fault to inject into its next weight load (``TITO_TEST_FAULT_FILE``,
+    app/worker_ext.py); read and removed by that load, so without the file every load is normal."""
+    return tmp_path_factory.getbasetemp() / "long-tito-fault"
+
+
+class SharedServers:
+    """The shared servers, started together the first time any of them is asked for: those the selected tests use,
+    side by side (see ``side_by_side``), and all of them up before the first test runs on any, so no test shares the
+    CPU with an engine start. Killed at the end of the session."""
+
+    def __init__(self, session: pytest.Session, starts: dict[str, Callable[[], ServerProcess]]) -> None:
+        self.session = session
+        self.starts = starts
+        self.futures: dict[str, Future[ServerProcess]] = {}
+        self.pool = ThreadPoolExecutor(len(starts))
+
+    def get(self, name: str) -> ServerProcess:
+        if name not in self.futures:
+            used = {n for n in self.starts for item in self.session.items if n in getattr(item, "fixturenames", ())}
+            for n in sorted(used | {name}):
+                if n not in self.futures:
+                    self.futures[n] = self.pool.submit(self.starts[n])
+            wait(list(self.futures.values()))
+        return self.futures[name].result()
+
+    def kill_all(self) -> None:
+        for f in self.futures.values():
+            if f.exception() is None:
+                f.result().kill()
+        self.pool.shutdown()
+
+
 @pytest.fixture(scope="session")
-def tito(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServers]:
+    # Several engine starts at once on two cores: each takes longer than alone.
+    timeout = start_timeout(2.5)
+
+    def default() -> ServerProcess:
+        return start_tito(tmp_path_factory, tiny_model, timeout=timeout)
+
+    def long() -> ServerProcess:
+        model = long_context_model(tmp_path_factory.mktemp("long-model") / "tiny-long", LONG_CONTEXT)
+        # --liveness-timeout 5: the probes asked while a broadcast blocks the worker must answer well within the
+        # broadcast's timeout (test_weight_integrity.py); nothing else here depends on it.
+        return start_tito(tmp_path_factory, model, "--max-model-len", str(LONG_CONTEXT), "--liveness-timeout", "5",
+                          env={"TITO_TEST_FAULT_FILE": str(fault_file(tmp_path_factory))}, name="tito-long",
+                          timeout=timeout, on_answer=first_answers)
+
+    def lora() -> ServerProcess:
+        return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                          "--stream-interval", "4", name="tito-lora", timeout=timeout)
+
+    def vllm() -> ServerProcess:
+        port = free_port()
+        log = tmp_path_factory.mktemp("logs") / "vllm.log"
+        return ServerProcess(vllm_cmd(tiny_model, port), port, log,
+                             env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
+
+    servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
+                                              "vllm_ref": vllm})
+    yield servers
+    servers.kill_all()
+
+
+@pytest.fixture(scope="session")
+def tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared default server. Tests must leave it as they found it (not paused, not draining, base weights)."""
-    server = start_tito(tmp_path_factory, tiny_model)
-    yield server
-    server.stop()
+    return shared_servers.get("tito")
+
+
+@pytest.fixture(scope="session")
+def long_tito(shared_servers: SharedServers) -> ServerProcess:
+    """The shared long-context server (see the module docstring). Each module using it restores it at its end."""
+    return shared_servers.get("long_tito")
+
+
+@pytest.fixture(scope="session")
+def lora_tito(shared_servers: SharedServers) -> ServerProcess:
+    """The shared LoRA server (test_cli.py, test_lora.py). Each module using it restores it at its end."""
+    return shared_servers.get("lora_tito")
+
+
+@pytest.fixture(scope="session")
+def vllm_ref(shared_servers: SharedServers) -> ServerProcess:
+    """vLLM's own server on the tiny model (test_vllm_compat.py)."""
+    return shared_servers.get("vllm_ref")
 
 
 @pytest.fixture(scope="session")

@@ -19,18 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
     metric_value,
+    restore_server,
 )
 from tests.streaming import (
     GEN,
     async_client,
     count_set,
     inflight,
-    long_context_model,
     pause_keep,
     read_stream,
     resume,
@@ -45,16 +44,14 @@ BOUND_S = 5.0
 LONG = 4000
 # max_tokens of a request only an abort ends: it cannot finish within a test on any machine (~1500 tokens/s at most
 # here). The KV cache (~1 KiB per token for the tiny model, 1 GiB) holds ~17 such requests at full length.
-ENDLESS = 60000
-CONTEXT = ENDLESS + 96
+ENDLESS = 60000  # fits the shared long-context server (conftest.LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model = long_context_model(tmp_path_factory.mktemp("abort-model") / "tiny-long", CONTEXT)
-    s = start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), name="abort")
-    yield s
-    s.stop()
+def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared long-context server: nothing else runs on it during this module; put back as found at the end."""
+    yield long_tito
+    restore_server(long_tito.url)
 
 
 async def _engine_counts(c: httpx.AsyncClient) -> tuple[float, float]:

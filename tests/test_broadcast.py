@@ -12,9 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.tiny_model import make_tiny_model, tiny_state_dict
-from tests.conftest import start_tito
-from tests.helpers import ROOT, ServerProcess, engine_env, free_port
+from app.tiny_model import tiny_state_dict
+from tests.helpers import ROOT, ServerProcess, engine_env, free_port, restore_server
 from tests.test_weights import PROMPTS, Background, greedy, reference_greedy
 
 pytestmark = pytest.mark.engine
@@ -53,10 +52,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[ServerProcess]:
-    srv = start_tito(tmp_path_factory, make_tiny_model(root / "base"), "--max-model-len", "512", name="bcast")
-    yield srv
-    srv.stop()
+def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared long-context server (the tiny model's weights); put back at the end: base weights, no group."""
+    yield long_tito
+    restore_server(long_tito.url, drop_broadcaster=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The ``tito`` CLI as a user runs it: subprocesses, output checked. Help for every command; client commands against
-real servers (read-only ones on the shared server, state-changing ones on this module's own server)."""
+real servers (read-only ones on the shared default server, state-changing ones on the shared LoRA server)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from app.client import TitoClient
-from tests.conftest import start_tito
-from tests.helpers import ROOT, ServerProcess, free_port
+from tests.helpers import ROOT, ServerProcess, free_port, restore_server
 
 COMMANDS = ["serve", "make-tiny-model", "generate", "status", "drain", "undrain", "update-weights", "load-lora",
             "unload-lora", "pause", "resume"]
@@ -30,16 +29,16 @@ def tito(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
                           env=full_env, timeout=timeout)
 
 
-# This module's server also carries the opt-in --stream-interval (tested at the end), sparing an engine start.
+# The shared LoRA server also carries the opt-in --stream-interval (tested at the end), sparing an engine start.
 STREAM_INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
-def cli_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8",
-                        "--stream-interval", str(STREAM_INTERVAL), name="cli-admin")
-    yield server
-    server.stop()
+def cli_server(lora_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The session's shared LoRA server (``--enable-lora --max-lora-rank 8 --stream-interval 4``); put back at the
+    end (this module updates its weights to a new version)."""
+    yield lora_tito
+    restore_server(lora_tito.url)
 
 
 # ------------------------------------------------------------------------------------------------ no server

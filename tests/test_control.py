@@ -1,7 +1,7 @@
 """The control plane on a real engine: start-up answers, pause/resume/update ordering, independent shared client ids.
 
-One server for the module (the tiny model with a long context), started here so the test sees its first seconds:
-the port must answer 503 "starting" long before the engine is up. The requests that must stay in flight are endless
+The session's shared long-context server (tests/conftest.py), whose first seconds were recorded as it started: the
+port must answer 503 "starting" long before the engine is up. The requests that must stay in flight are endless
 (``ENDLESS`` tokens, more than any machine generates within a test); only an abort ends them, so every check that
 needs "still running" holds however fast or slow the machine is. Waits are on server-side facts (``/is_paused``,
 the control queue in ``/server_info``, tito's in-flight count), never sleeps.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,53 +19,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+from tests.conftest import LONG_CONTEXT
+from tests.helpers import ServerProcess, engine_env, free_port, restore_server, tito_cmd
 from tests.streaming import GEN, async_client, inflight, long_context_model, wait_for
 
-ENDLESS = 60000
-CONTEXT = ENDLESS + 96
-
-
-def _first_answers(s: ServerProcess, timeout: float = 240.0) -> dict[str, httpx.Response]:
-    """Poll until the port answers; then ask every kind of route while the engine is still starting."""
-    assert s.proc is not None
-    deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=s.url, timeout=5.0) as c:
-        while time.monotonic() < deadline:
-            if s.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {s.proc.returncode}:\n{s.log_tail()}")
-            try:
-                h = c.get("/health")
-            except httpx.HTTPError:
-                time.sleep(0.1)
-                continue
-            return {"health": h, "ready": c.get("/ready"), "liveness": c.get("/liveness"),
-                    "generate": c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
-                    "pause": c.post("/pause"), "health_again": c.get("/health")}
-    raise RuntimeError(f"port never answered:\n{s.log_tail()}")
+ENDLESS = 60000  # fits the shared long-context server
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, httpx.Response]]]:
-    model = long_context_model(tmp_path_factory.mktemp("control-model") / "tiny-long", CONTEXT)
-    port = free_port()
-    cmd = tito_cmd(model, port, "--max-model-len", str(CONTEXT), "--allowed-weight-root",
-                   str(tmp_path_factory.getbasetemp()))
-    s = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "control.log", env=engine_env())
-    s._log = open(s.log_path, "wb")  # noqa: SIM115 - closed by stop()
-    s.proc = subprocess.Popen(s.cmd, stdout=s._log, stderr=subprocess.STDOUT, env=s.env, cwd=str(Path.cwd()),
-                              process_group=0)
-    try:
-        first = _first_answers(s)
-        with httpx.Client(base_url=s.url, timeout=5.0) as c:
-            wait_up = time.monotonic() + 900
-            while c.get("/health").status_code != 200:
-                assert time.monotonic() < wait_up, s.log_tail()
-                assert s.proc.poll() is None, s.log_tail()
-                time.sleep(0.5)
-        yield s, first
-    finally:
-        s.stop()
+def started(long_tito: ServerProcess) -> Iterator[tuple[ServerProcess, dict[str, httpx.Response]]]:
+    """The shared long-context server and what its port answered first, while its engine was still starting
+    (conftest.first_answers). Put back as found at the end of the module."""
+    yield long_tito, long_tito.first_answers
+    restore_server(long_tito.url)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +66,7 @@ def test_engine_start_failure_exits_nonzero_with_the_cause(tmp_path: Path) -> No
         assert code == 3, s.log_tail()
         assert "engine failed to start" in s.log_text() and "no-such-architecture" in s.log_text()
     finally:
-        s.stop()
+        s.kill()
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -270,7 +235,7 @@ def test_resume_supersedes_a_draining_pause(server: ServerProcess) -> None:
 
 def test_pause_update_and_resume_run_in_arrival_order(server: ServerProcess, tmp_path_factory:
                                                       pytest.TempPathFactory) -> None:
-    ckpt = long_context_model(tmp_path_factory.mktemp("control-ckpt") / "step_1", CONTEXT)
+    ckpt = long_context_model(tmp_path_factory.mktemp("control-ckpt") / "step_1", LONG_CONTEXT)
 
     async def run() -> None:
         async with async_client(server.url) as c:

@@ -19,8 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess, metric_value
+from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.reference import Reference
 
 GEN = "/inference/v1/generate"
@@ -77,11 +76,12 @@ def merged_reference(base_dir: Path, base: dict[str, torch.Tensor], weights: Ada
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", str(RANK),
-                        "--max-loras", "2", name="tito-lora")
-    yield server
-    server.stop()
+def lora_server(lora_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The session's shared LoRA server (``--enable-lora --max-lora-rank 8 --max-loras 2``, and a stream interval
+    no test here streams with). Every test unloads what it loads; put back at the end all the same."""
+    assert RANK == 8  # the shared server's --max-lora-rank
+    yield lora_tito
+    restore_server(lora_tito.url)
 
 
 @pytest.fixture

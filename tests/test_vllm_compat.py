@@ -8,13 +8,11 @@ vLLM sends null).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, engine_env, free_port, vllm_cmd
+from tests.helpers import ServerProcess
 from tests.test_generate import sse_events
 
 GEN = "/inference/v1/generate"
@@ -42,14 +40,9 @@ BATTERY = [
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, tito: ServerProcess) -> Iterator[str]:
-    # Depends on `tito` so the two engines never start at the same time on a 2-core machine.
-    port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    server = ServerProcess(vllm_cmd(tiny_model, port), port, log,
-                           env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=300)
-    yield server.url
-    server.stop()
+def vllm_url(vllm_ref: ServerProcess) -> str:
+    """vLLM's own server on the same tiny model (a shared session server, started beside tito's)."""
+    return vllm_ref.url
 
 
 def _diff(ours: object, theirs: object, path: str = "") -> list[str]:

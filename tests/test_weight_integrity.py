@@ -1,15 +1,15 @@
 """Weight integrity under faults, on the real engine (issue 14): an update that fails after the model started to
 change leaves the server paused and refusing work with a clear 503 ("inconsistent"), until a good update repairs it.
 
-One server for every way in: a shard read that fails after validation, a worker exception mid-load (vLLM's own
-loader), a layer that loads nothing, a trainer that dies mid-broadcast, a broadcast that times out mid-stream. The
-faults are injected through the worker's test-only hook (``TITO_TEST_FAULT_FILE``, app/worker_ext.py) or a sender
-that misbehaves (tests/weight_sender.py). Also issue 19: the rotary caches are bit-identical across updates, and the
-"RotaryEmbedding: Failed to load weights" warning is replaced by one INFO line per update."""
+One server (the session's shared long-context one) for every way in: a shard read that fails after validation, a
+worker exception mid-load (vLLM's own loader), a layer that loads nothing, a trainer that dies mid-broadcast, a
+broadcast that times out mid-stream. The faults are injected through the worker's test-only hook
+(``TITO_TEST_FAULT_FILE``, app/worker_ext.py) or a sender that misbehaves (tests/weight_sender.py). Also issue 19: the
+rotary caches are bit-identical across updates, and the "RotaryEmbedding: Failed to load weights" warning is replaced
+by one INFO line per update."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -18,12 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.tiny_model import TINY_CONFIG, make_tiny_model, tiny_state_dict
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess, free_port, greedy_answer, metric_value
+from app.tiny_model import tiny_state_dict
+from tests.conftest import fault_file
+from tests.helpers import ServerProcess, free_port, greedy_answer, metric_value, restore_server
 from tests.test_broadcast import Sender, init
 from tests.test_weights import (
-    CONTEXT,
     ENDLESS,
     GEN,
     PROMPTS,
@@ -46,19 +45,17 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fault(root: Path) -> Path:
-    return root / "fault"
+def fault(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fault_file(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, root: Path, fault: Path) -> Iterator[ServerProcess]:
-    base = make_tiny_model(root / "base")
-    (base / "config.json").write_text(json.dumps({**TINY_CONFIG, "max_position_embeddings": CONTEXT}))
-    # A short liveness bound: the probes asked while a broadcast blocks must all answer well within its timeout.
-    srv = start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--liveness-timeout", "5",
-                     name="integrity", env={"TITO_TEST_FAULT_FILE": str(fault)})
-    yield srv
-    srv.stop()
+def server(long_tito: ServerProcess, fault: Path) -> Iterator[ServerProcess]:
+    """The shared long-context server: its worker reads the fault file, and its short liveness bound (5 s) lets the
+    probes asked while a broadcast blocks all answer well within the broadcast's timeout. Put back at the end."""
+    yield long_tito
+    fault.unlink(missing_ok=True)
+    restore_server(long_tito.url, drop_broadcaster=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.tiny_model import TINY_CONFIG, make_tiny_model, tiny_state_dict
+from app.tiny_model import TINY_CONFIG, tiny_state_dict
 from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
     metric_value,
+    restore_server,
 )
 
 GEN = "/inference/v1/generate"
@@ -29,10 +30,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42, 9]]
 # max_tokens of a request that must still be running when an admin call lands. No length is long enough on a busy
 # 2-core machine, where the test process can be descheduled for seconds while the engine generates, so such a request
 # is endless: it cannot finish within a test on any machine (~1500 tokens/s at most here) and the test ends it itself
-# with /abort_requests or /pause?mode=abort, never by waiting for it. The server's context fits it (a prompt of a few
-# tokens + ENDLESS); its KV cache (~1 KiB per token for the tiny model, 1 GiB) holds it ~17 times over.
+# with /abort_requests or /pause?mode=abort, never by waiting for it. The shared long-context server's context fits
+# it (a prompt of a few tokens + ENDLESS); its KV cache (~1 KiB per token for the tiny model, 1 GiB) holds it ~17 times.
 ENDLESS = 60000
-CONTEXT = ENDLESS + 16
 pytestmark = pytest.mark.engine
 
 
@@ -203,18 +203,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_model(root: Path) -> Path:
-    d = make_tiny_model(root / "base")
-    # A longer context than the default tiny model, for the endless requests.
-    (d / "config.json").write_text(json.dumps({**TINY_CONFIG, "max_position_embeddings": CONTEXT}))
-    return d
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, base_model: Path) -> Iterator[ServerProcess]:
-    srv = start_tito(tmp_path_factory, base_model, "--max-model-len", str(CONTEXT), name="weights")
-    yield srv
-    srv.stop()
+def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared long-context server (the tiny model's weights, a context for the endless requests). Nothing else
+    runs on it during this module; put back at the end (base weights, resumed, no broadcast group)."""
+    yield long_tito
+    restore_server(long_tito.url, drop_broadcaster=True)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +258,7 @@ def test_matches_a_fresh_engine_on_the_new_weights(client, root, tmp_path_factor
                 pytest.approx([e["logprob"] for e in b["logprobs"]["content"]], abs=1e-5)
             assert greedy(client, n=16) == greedy(fc, n=16)
     finally:
-        fresh.stop()
+        fresh.kill()
 
 
 def test_retry_is_a_noop_and_metrics_count_once(client, root):
