@@ -3,6 +3,7 @@ subprocess (tests/weight_sender.py) is rank 0, tito's worker joins, receives, va
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ class Sender:
 
     def __init__(self, port: int, steps: list[tuple[Path, int]], mode: str = "ok", timeout: float = 300.0,
                  after: int = 2) -> None:
+        self.port = port
         cmd = [sys.executable, "-m", "tests.weight_sender", "--port", str(port), "--world-size", "2",
                "--mode", mode, "--timeout", str(timeout), "--after", str(after)]
         for d, seed in steps:
@@ -44,6 +46,22 @@ class Sender:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
+
+    def wait_listening(self, timeout: float = 240.0) -> None:
+        """Wait until the sender's TCPStore accepts connections (it imports torch and vLLM first: tens of seconds on
+        a busy machine), so a join can then be given a short timeout. A connection to itself (TCP self-connect on a
+        port nobody listens on yet) does not count."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.finish()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as sock:
+                    if sock.getsockname() != sock.getpeername():
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the sender never listened"
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +130,11 @@ def test_receive_timeout_fails_cleanly_and_model_is_untouched(client, root):
     d = root / "stall" / "step_9"
     sender = Sender(port, [(d, 0)], mode="stall")
     try:
-        assert init(client, port).status_code == 200
+        # The group's own timeout (init's) bounds how long the worker stays blocked in the abandoned receive after
+        # the 3 s one gave up, while the stalled trainer keeps the group open: with the join's default (240 s) the
+        # check below waited that long. The sender is listening first, so the join needs nothing like 30 s.
+        sender.wait_listening()
+        assert init(client, port, timeout=30).status_code == 200
         before = greedy(client)
         (d / "NCCL_READY").touch()
         t0 = time.monotonic()
