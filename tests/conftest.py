@@ -155,7 +155,8 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class SharedServers:
     """The shared servers, started together the first time any of them is asked for: those the selected tests use,
     side by side (see ``side_by_side``), and all of them up before the first test runs on any, so no test shares the
-    CPU with an engine start. Killed at the end of the session."""
+    CPU with an engine start. Each is killed after the last module that uses it (``release_unused``; started again
+    if a rerun asks for it), the rest at the end of the session."""
 
     def __init__(self, session: pytest.Session, starts: dict[str, Callable[[], ServerProcess]]) -> None:
         self.session = session
@@ -163,20 +164,45 @@ class SharedServers:
         self.futures: dict[str, Future[ServerProcess]] = {}
         self.pool = ThreadPoolExecutor(len(starts))
 
+    def _users(self, items: list[pytest.Item]) -> set[str]:
+        return {n for n in self.starts for item in items if n in getattr(item, "fixturenames", ())}
+
     def get(self, name: str) -> ServerProcess:
         if name not in self.futures:
-            used = {n for n in self.starts for item in self.session.items if n in getattr(item, "fixturenames", ())}
-            for n in sorted(used | {name}):
+            # The first time: every shared server the session uses. Later (a released one a rerun asks for): that one.
+            for n in sorted(self._users(self.session.items) | {name} if not self.futures else {name}):
                 if n not in self.futures:
                     self.futures[n] = self.pool.submit(self.starts[n])
             wait(list(self.futures.values()))
         return self.futures[name].result()
 
+    def release_unused(self, item: pytest.Item) -> None:
+        """After ``item``'s module: kill the servers no later test uses (frees their memory). Not ``tito``: its
+        fixture is session-scoped (cached), and most modules use it."""
+        items = self.session.items
+        later = items[items.index(item) + 1:] if item in items else items
+        needed = self._users(later) | {"tito"}
+        for name in [n for n in self.futures if n not in needed]:
+            f = self.futures.pop(name)
+            if f.exception() is None:
+                f.result().kill()
+
     def kill_all(self) -> None:
         for f in self.futures.values():
             if f.exception() is None:
                 f.result().kill()
+        self.futures.clear()
         self.pool.shutdown()
+
+
+_SHARED: list[SharedServers] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    if _SHARED and (nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None)):
+        _SHARED[0].release_unused(item)
 
 
 @pytest.fixture(scope="session")
@@ -208,7 +234,9 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
                                               "vllm_ref": vllm})
+    _SHARED.append(servers)
     yield servers
+    _SHARED.clear()
     servers.kill_all()
 
 
@@ -218,19 +246,20 @@ def tito(shared_servers: SharedServers) -> ServerProcess:
     return shared_servers.get("tito")
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: each module asks the pool again, which starts a server anew if it was released and a rerun needs it.
+@pytest.fixture(scope="module")
 def long_tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared long-context server (see the module docstring). Each module using it restores it at its end."""
     return shared_servers.get("long_tito")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lora_tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared LoRA server (test_cli.py, test_lora.py). Each module using it restores it at its end."""
     return shared_servers.get("lora_tito")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_ref(shared_servers: SharedServers) -> ServerProcess:
     """vLLM's own server on the tiny model (test_vllm_compat.py)."""
     return shared_servers.get("vllm_ref")
