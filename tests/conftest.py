@@ -5,7 +5,8 @@
   the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
-- ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests.
+- ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
+  (started when first asked for).
 
 Modules whose flags change what every test there observes (API keys, small caps, data parallel, KV-cache size,
 another model) and tests that end their server keep their own.
@@ -153,14 +154,17 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SharedServers:
-    """The shared servers, started together the first time any of them is asked for: those the selected tests use,
-    side by side (see ``side_by_side``), and all of them up before the first test runs on any, so no test shares the
-    CPU with an engine start. Each is killed after the last module that uses it (``release_unused``; started again
-    if a rerun asks for it), the rest at the end of the session."""
+    """The shared servers, started together the first time any of them is asked for: those the selected tests use
+    (but the ``lazy`` ones, started alone when asked for), side by side (see ``side_by_side``), and all of them up
+    before the first test runs on any, so no test shares the CPU with an engine start. Each is killed after the last
+    module that uses it (``release_unused``; started again if a rerun asks for it), the rest at the end of the
+    session."""
 
-    def __init__(self, session: pytest.Session, starts: dict[str, Callable[[], ServerProcess]]) -> None:
+    def __init__(self, session: pytest.Session, starts: dict[str, Callable[[], ServerProcess]],
+                 lazy: frozenset[str] = frozenset()) -> None:
         self.session = session
         self.starts = starts
+        self.lazy = lazy
         self.futures: dict[str, Future[ServerProcess]] = {}
         self.pool = ThreadPoolExecutor(len(starts))
 
@@ -169,8 +173,10 @@ class SharedServers:
 
     def get(self, name: str) -> ServerProcess:
         if name not in self.futures:
-            # The first time: every shared server the session uses. Later (a released one a rerun asks for): that one.
-            for n in sorted(self._users(self.session.items) | {name} if not self.futures else {name}):
+            # The first time: every shared server the session uses (but the lazy ones). Later (a lazy one, or a
+            # released one a rerun asks for): that one.
+            first = (self._users(self.session.items) - self.lazy) | {name}
+            for n in sorted(first if not self.futures else {name}):
                 if n not in self.futures:
                     self.futures[n] = self.pool.submit(self.starts[n])
             wait(list(self.futures.values()))
@@ -232,8 +238,10 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
         return ServerProcess(vllm_cmd(tiny_model, port), port, log,
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
+    # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
+    # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
-                                              "vllm_ref": vllm})
+                                              "vllm_ref": vllm}, lazy=frozenset({"vllm_ref"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
