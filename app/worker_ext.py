@@ -435,17 +435,31 @@ def _gloo_group(host: str, port: int, rank: int, world: int,
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     pg: Any = stateless_init_torch_distributed_process_group(host, port, rank, world, "gloo", timeout=timeout)
+    gave_up: list[bool] = []
 
     def recv(t: Any, limit: float) -> None:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        pg.broadcast([t], opts).wait(timedelta(seconds=limit))
+        try:
+            pg.broadcast([t], opts).wait(timedelta(seconds=limit))
+        except BaseException:
+            gave_up.append(True)  # the receive may still be pending in gloo's thread
+            raise
 
     def close() -> None:
         pg.shutdown() if hasattr(pg, "shutdown") else None
+        if gave_up:
+            _ABANDONED_GROUPS.append(pg)
 
     return recv, close
+
+
+# Gloo groups dropped with a receive given up on (a timed-out broadcast, the trainer still connected). Letting one go
+# runs ProcessGroupGloo's destructor, which waits for that receive until the group's own timeout (init_broadcaster's
+# ``timeout``; Prime-RL's default is 1200 s): the worker, and so every generation, would hang that long after the
+# update had already answered 504. Kept referenced instead; the receive ends in gloo's own thread.
+_ABANDONED_GROUPS: list[Any] = []
 
 
 def _nccl_group(host: str, port: int, rank: int, world: int, timeout: float,
