@@ -130,9 +130,9 @@ def test_receive_timeout_fails_cleanly_and_model_is_untouched(client, root):
     d = root / "stall" / "step_9"
     sender = Sender(port, [(d, 0)], mode="stall")
     try:
-        # The group's own timeout (init's) bounds how long the worker stays blocked in the abandoned receive after
-        # the 3 s one gave up, while the stalled trainer keeps the group open: with the join's default (240 s) the
-        # check below waited that long. The sender is listening first, so the join needs nothing like 30 s.
+        # A short group timeout (init's): were the worker to wait for the abandoned receive (the stalled trainer keeps
+        # the group open), it would wait that long, not the join's default 240 s. The sender is listening first, so
+        # the join needs nothing like 30 s.
         sender.wait_listening()
         assert init(client, port, timeout=30).status_code == 200
         before = greedy(client)
@@ -143,7 +143,10 @@ def test_receive_timeout_fails_cleanly_and_model_is_untouched(client, root):
         assert time.monotonic() - t0 < 30
         msg = r.json()["error"]["message"]
         assert "timed out after 3s" in msg and "/init_broadcaster" in msg
+        t1 = time.monotonic()
         assert greedy(client) == before
+        # At once: the worker does not wait out the abandoned receive (until the group's own 30 s timeout).
+        assert time.monotonic() - t1 < 20
         assert client.get("/is_paused").json() == {"is_paused": False}
         # The broken group was dropped: the next broadcast update says so instead of hanging.
         r = client.post("/update_weights", json={"weight_dir": None})
