@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import Prestarted, start_timeout, start_tito
+from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
@@ -112,25 +111,11 @@ def _check_dead(seen: dict[str, Any]) -> None:
     assert abs(seen["health"]["since"] - time.time()) < 60  # the failure's wall-clock time
 
 
-@pytest.fixture(scope="module")
-def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prestarted]:
-    """Each test kills its server's engine: two servers, started side by side before the first test."""
-    model = _long_model(tmp_path_factory)
-    servers = Prestarted({
-        # The exit delay leaves the checks after the kill (several requests) time to finish on a busy machine.
-        "exit": lambda: start_tito(tmp_path_factory, model, "--max-model-len", str(LONG + 96), "--max-num-seqs", "4",
-                                   "--engine-death-exit-delay", "20", name="engine-death", timeout=start_timeout(2)),
-        "stay": lambda: start_tito(tmp_path_factory, model, "--max-model-len", str(LONG + 96),
-                                   "--exit-on-engine-death", "false", "--engine-death-exit-delay", "0.5",
-                                   name="engine-death-stay", timeout=start_timeout(2)),
-    })
-    yield servers
-    servers.kill_all()
-
-
 @TIMING
-def test_engine_death_then_exit_nonzero(own: Prestarted) -> None:
-    s = own.take("exit")
+def test_engine_death_then_exit_nonzero(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The exit delay leaves the checks after the kill (several requests) time to finish on a busy machine.
+    s = start_tito(tmp_path_factory, _long_model(tmp_path_factory), "--max-model-len", str(LONG + 96),
+                   "--max-num-seqs", "4", "--engine-death-exit-delay", "20", name="engine-death")
     try:
         assert s.proc is not None
         family = psutil.Process(s.proc.pid).children(recursive=True)
@@ -141,12 +126,13 @@ def test_engine_death_then_exit_nonzero(own: Prestarted) -> None:
         assert wait_gone(family, 15) == []
         assert "engine is dead: EngineCore" in s.log_text()
     finally:
-        s.kill()
+        s.stop()
 
 
 @TIMING
-def test_engine_death_stays_up_for_inspection(own: Prestarted) -> None:
-    s = own.take("stay")
+def test_engine_death_stays_up_for_inspection(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    s = start_tito(tmp_path_factory, _long_model(tmp_path_factory), "--max-model-len", str(LONG + 96),
+                   "--exit-on-engine-death", "false", "--engine-death-exit-delay", "0.5", name="engine-death-stay")
     try:
         assert s.proc is not None
         seen = asyncio.run(_kill_and_observe(s, 2))
@@ -156,4 +142,4 @@ def test_engine_death_stays_up_for_inspection(own: Prestarted) -> None:
         r = httpx.get(s.url + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "dead"
     finally:
-        s.kill()
+        s.stop()

@@ -2,9 +2,8 @@
 validation and keys, Abort, drain and SIGTERM; and the real smg gateway serving ``/v1/completions`` through two
 tito replicas over gRPC.
 
-Two replicas for the module, started side by side: ``a`` serves every test; ``b`` joins for the KV-event and gateway
-tests and is then stopped by the SIGTERM test (last in the file). Keys are tested in test_grpc_auth.py (smg sends none
-to gRPC workers).
+Two replicas for the module: ``a`` serves every test; ``b`` joins for the gateway test and is then stopped by the
+SIGTERM test (last in the file). Keys are tested in test_grpc_auth.py (smg sends none to gRPC workers).
 """
 
 from __future__ import annotations
@@ -46,32 +45,19 @@ def tok_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="module")
-def replicas(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, Replica]]:
-    """Both replicas, started side by side before the first test (``b`` idles until the tests that need it)."""
-    with ThreadPoolExecutor(2) as pool:
-        # KV events on (SubscribeKvEvents); VLLM_HOST_IP: the publisher's free ports (--kv-events-port 0) on loopback.
-        fa = pool.submit(start_replica, tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5",
-                         "--kv-events-port", "0", "--block-size", str(BLOCK), env={"VLLM_HOST_IP": "127.0.0.1"})
-        fb = pool.submit(start_replica, tmp_path_factory, tok_model, "grpc-b", "--max-logprobs", "5",
-                         "--shutdown-timeout", "120")
-    started = [f.result() for f in (fa, fb) if f.exception() is None]
-    if len(started) < 2:
-        for r in started:
-            r.server.kill()
-        raise next(e for f in (fa, fb) if (e := f.exception()) is not None)
-    yield started[0], started[1]
-    for r in started:
-        r.server.kill()
+def a(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
+    # KV events on (SubscribeKvEvents); VLLM_HOST_IP: the publisher's free ports (--kv-events-port 0) on loopback.
+    r = start_replica(tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5", "--kv-events-port", "0",
+                      "--block-size", str(BLOCK), env={"VLLM_HOST_IP": "127.0.0.1"})
+    yield r
+    r.server.stop()
 
 
 @pytest.fixture(scope="module")
-def a(replicas: tuple[Replica, Replica]) -> Replica:
-    return replicas[0]
-
-
-@pytest.fixture(scope="module")
-def b(replicas: tuple[Replica, Replica]) -> Replica:
-    return replicas[1]
+def b(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
+    r = start_replica(tmp_path_factory, tok_model, "grpc-b", "--max-logprobs", "5", "--shutdown-timeout", "120")
+    yield r
+    r.server.stop()
 
 
 def _http(r: Replica, body: dict[str, Any]) -> dict[str, Any]:
@@ -452,7 +438,7 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
         collect(a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
         _until(lambda: applied() > 0, timeout=60)
     finally:
-        smg.kill()
+        smg.stop()
     after = [generates(a), generates(b)]
     served = [x - y for x, y in zip(after, before, strict=True)]
     served[0] -= 1  # the direct Generate on a

@@ -27,7 +27,7 @@ from app.multimodal import (
 )
 from app.protocol import ApiError
 from app.tiny_vlm import FAKE_ID, GLOBAL_ID, IMAGE_ID, IMAGE_SEQ_LEN, make_tiny_vlm
-from tests.conftest import side_by_side, start_timeout, start_tito
+from tests.conftest import start_tito
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port
 from tests.test_generate import sse_events
 
@@ -160,37 +160,25 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vlm_servers(vlm: Path, media_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """tito and vLLM's own server on the tiny VLM, started side by side."""
-    def start_ours() -> ServerProcess:
-        return start_tito(tmp_path_factory, vlm, "--max-model-len", "512", "--max-media-bytes", str(MAX_MEDIA_BYTES),
-                          "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir),
-                          name="tito-vlm", timeout=start_timeout(2.5))
-
-    def start_vllm() -> ServerProcess:
-        # Not --tokens-only: multimodal needs the processor.
-        port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vlm), "--dtype", "float32",
-               "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(port),
-               "--enable-scale-out"]
-        server = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "vllm-vlm.log", env=engine_env())
-        return server.start(timeout=600)
-
-    ours, theirs = side_by_side(start_ours, start_vllm)
-    yield ours, theirs
-    ours.kill()
-    theirs.kill()
+def tito_vlm(vlm: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_tito(tmp_path_factory, vlm, "--max-model-len", "512", "--max-media-bytes", str(MAX_MEDIA_BYTES),
+                        "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir),
+                        name="tito-vlm")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def tito_vlm(vlm_servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
-    return vlm_servers[0]
-
-
-@pytest.fixture(scope="module")
-def vllm_vlm(vlm_servers: tuple[ServerProcess, ServerProcess]) -> str:
-    return vlm_servers[1].url
+def vllm_vlm(vlm: Path, tmp_path_factory: pytest.TempPathFactory, tito_vlm: ServerProcess) -> Iterator[str]:
+    # After tito (never two engine starts at once); not --tokens-only: multimodal needs the processor.
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vlm), "--dtype", "float32",
+           "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(port),
+           "--enable-scale-out"]
+    server = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "vllm-vlm.log", env=engine_env())
+    server.start(timeout=600)
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
