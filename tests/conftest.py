@@ -1,4 +1,4 @@
-"""Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started side by side.
+"""Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started together.
 
 - ``tito``: the default server (no extra flags). Read-only tests and tests that put back what they change.
 - ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
@@ -92,48 +92,6 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
     raise AssertionError("unreachable")
 
 
-def side_by_side(*starts: Callable[[], ServerProcess]) -> list[ServerProcess]:
-    """Run server starts at the same time and return the servers, in order. An engine start is mostly one core of
-    imports and set-up, one after the other in three processes: on two cores, two starts take little longer than
-    one. If any start fails, the others' servers are killed and the first error is raised."""
-    with ThreadPoolExecutor(len(starts)) as pool:
-        futures = [pool.submit(s) for s in starts]
-    errors = [e for f in futures if (e := f.exception()) is not None]
-    if errors:
-        for f in futures:
-            if f.exception() is None:
-                f.result().kill()
-        raise errors[0]
-    return [f.result() for f in futures]
-
-
-class Prestarted:
-    """Servers for tests that end their own server (SIGTERM, a killed engine), started side by side when the first is
-    asked for. Each test takes a fresh one (never used before it); a rerun of a test gets a new start."""
-
-    def __init__(self, starts: dict[str, Callable[[], ServerProcess]]) -> None:
-        self.starts = starts
-        self.ready: dict[str, ServerProcess] = {}
-        self.started = False
-        self.all: list[ServerProcess] = []
-
-    def take(self, name: str) -> ServerProcess:
-        if not self.started:
-            self.started = True
-            names = list(self.starts)
-            self.ready = dict(zip(names, side_by_side(*self.starts.values()), strict=True))
-            self.all += self.ready.values()
-        server = self.ready.pop(name, None)
-        if server is None:
-            server = self.starts[name]()
-            self.all.append(server)
-        return server
-
-    def kill_all(self) -> None:
-        for server in self.all:
-            server.kill()
-
-
 # --------------------------------------------------------------------------------------------- shared servers
 
 LONG_CONTEXT = 60096  # endless requests (60,000 tokens) after a prompt of a few tokens
@@ -155,8 +113,9 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class SharedServers:
     """The shared servers, started together the first time any of them is asked for: those the selected tests use
-    (but the ``lazy`` ones, started alone when asked for), side by side (see ``side_by_side``), and all of them up
-    before the first test runs on any, so no test shares the CPU with an engine start. Each is killed after the last
+    (but the ``lazy`` ones, started alone when asked for), all of them up before the first test runs on any, so no
+    test shares the CPU with an engine start. (Side by side they take about as long as one after the other: an engine
+    start keeps both cores of this machine busy.) Each is killed after the last
     module that uses it (``release_unused``; started again if a rerun asks for it), the rest at the end of the
     session."""
 

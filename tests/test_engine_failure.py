@@ -126,7 +126,7 @@ def test_engine_death_then_exit_nonzero(tiny_model: Path, tmp_path_factory: pyte
         assert wait_gone(family, 15) == []
         assert "engine is dead: EngineCore" in s.log_text()
     finally:
-        s.stop()
+        s.kill()
 
 
 @TIMING
@@ -142,4 +142,4 @@ def test_engine_death_stays_up_for_inspection(tiny_model: Path, tmp_path_factory
         r = httpx.get(s.url + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "dead"
     finally:
-        s.stop()
+        s.kill()

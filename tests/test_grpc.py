@@ -50,14 +50,14 @@ def a(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rep
     r = start_replica(tmp_path_factory, tok_model, "grpc-a", "--max-logprobs", "5", "--kv-events-port", "0",
                       "--block-size", str(BLOCK), env={"VLLM_HOST_IP": "127.0.0.1"})
     yield r
-    r.server.stop()
+    r.server.kill()
 
 
 @pytest.fixture(scope="module")
 def b(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
     r = start_replica(tmp_path_factory, tok_model, "grpc-b", "--max-logprobs", "5", "--shutdown-timeout", "120")
     yield r
-    r.server.stop()
+    r.server.kill()
 
 
 def _http(r: Replica, body: dict[str, Any]) -> dict[str, Any]:
@@ -438,7 +438,7 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
         collect(a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
         _until(lambda: applied() > 0, timeout=60)
     finally:
-        smg.stop()
+        smg.kill()
     after = [generates(a), generates(b)]
     served = [x - y for x, y in zip(after, before, strict=True)]
     served[0] -= 1  # the direct Generate on a

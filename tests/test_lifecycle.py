@@ -1,7 +1,7 @@
 """Probes, drain and SIGTERM on a real engine.
 
 The drain tests use the session's shared default server (they leave it undrained and resumed, also when they fail).
-Each SIGTERM test has its own server, since it ends it; the two are started side by side before the first of them.
+Each SIGTERM test starts its own server, since it ends it.
 
 Requests are held in flight on purpose with ``POST /pause?mode=keep`` (they freeze in the engine and continue after
 ``/resume``) while the test checks what a drain or a shutdown looks like from outside: on a quiet machine the tiny
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Prestarted, start_timeout, start_tito
+from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
@@ -47,20 +47,6 @@ def server(tito: ServerProcess) -> Iterator[ServerProcess]:
     """The shared default server (the drain tests leave it undrained and resumed; checked again at the end)."""
     yield tito
     restore_server(tito.url)
-
-
-@pytest.fixture(scope="module")
-def own(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prestarted]:
-    """The SIGTERM tests' own servers (each test ends its server), started side by side before the first of them."""
-    servers = Prestarted({
-        # max-num-seqs 8 with 32 requests: most are still queued in the engine when SIGTERM arrives.
-        "sigterm": lambda: start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "8", "--shutdown-timeout",
-                                      "120", name="sigterm", timeout=start_timeout(2)),
-        "sigterm2": lambda: start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "4", "--shutdown-timeout",
-                                       "600", name="sigterm2", timeout=start_timeout(2)),
-    })
-    yield servers
-    servers.kill_all()
 
 
 def assert_busy_503(r: httpx.Response, word: str) -> None:
@@ -249,9 +235,9 @@ def test_drain_body_is_validated(server: ServerProcess) -> None:
 
 
 @TIMING
-def test_sigterm_drains_in_flight_then_exits_0(own: Prestarted) -> None:
+def test_sigterm_drains_in_flight_then_exits_0(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     # max-num-seqs 8 with 32 requests: most are still queued in the engine when SIGTERM arrives; they finish too.
-    s = own.take("sigterm")
+    s = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "8", "--shutdown-timeout", "120", name="sigterm")
     try:
         assert s.proc is not None
         procs = family(s.proc.pid)
@@ -293,8 +279,10 @@ def test_sigterm_drains_in_flight_then_exits_0(own: Prestarted) -> None:
 
 
 @TIMING
-def test_second_signal_aborts_in_flight_and_exits_0(own: Prestarted) -> None:
-    s = own.take("sigterm2")
+def test_second_signal_aborts_in_flight_and_exits_0(tiny_model: Path,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    s = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "4", "--shutdown-timeout", "600",
+                   name="sigterm2")
     try:
         assert s.proc is not None
         procs = family(s.proc.pid)

@@ -165,7 +165,7 @@ def tito_vlm(vlm: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactor
                         "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir),
                         name="tito-vlm")
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def vllm_vlm(vlm: Path, tmp_path_factory: pytest.TempPathFactory, tito_vlm: Serv
     server = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "vllm-vlm.log", env=engine_env())
     server.start(timeout=600)
     yield server.url
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture(scope="module")
