@@ -182,14 +182,22 @@ def _deltas(event: dict[str, Any]) -> list[StreamDelta]:
                         c.get("finish_reason"), usage, event) for c in choices]
 
 
-def _sse_event(line: str, method: str, path: str) -> dict[str, Any] | None:
-    """Parse one SSE line; None for blank lines, comments and ``[DONE]``; raise on an error event."""
+def sse_payload(line: str) -> Any:
+    """The JSON of one ``data:`` line of tito's SSE answer; None for blank lines, comments and ``[DONE]``. Shared by
+    the client and the Dynamo adapter (app/dynamo_wire.py), which read the same stream."""
     if not line.startswith("data:"):
         return None
     payload = line[5:].strip()
     if not payload or payload == "[DONE]":
         return None
-    event = json.loads(payload)
+    return json.loads(payload)
+
+
+def _sse_event(line: str, method: str, path: str) -> dict[str, Any] | None:
+    """Parse one SSE line (``sse_payload``); raise on an error event."""
+    event = sse_payload(line)
+    if event is None:
+        return None
     if isinstance(event, dict) and isinstance(event.get("error"), dict):
         env = event["error"]
         raise TitoError(int(env.get("code") or 500), str(env.get("message", "")), error=env, body=event,

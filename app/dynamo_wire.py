@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import orjson
 
+from app.client_wire import sse_payload
+
 GENERATE_PATH = "/inference/v1/generate"
 
 # Dynamo sampling options tito's wire sampling params take under the same name.
@@ -121,13 +123,11 @@ def error_message(status: int, body: bytes) -> str:
 
 
 async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The events of tito's streamed answer, error events included (the adapter turns them into Dynamo errors)."""
     async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
-            return
-        yield orjson.loads(payload)
+        event = sse_payload(line)
+        if event is not None:
+            yield event
 
 
 # Dynamo's canary: one greedy token through the whole path (adapter → tito → engine).
