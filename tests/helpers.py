@@ -98,17 +98,7 @@ class ServerProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        # Whatever is left in the group (EngineCore, workers) goes too.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
-        return self.proc.returncode
+        return self.kill()  # whatever is left in the group (EngineCore, workers) goes too
 
     def kill(self) -> int | None:
         """End the server at once: SIGKILL to its whole group (server, EngineCore, workers). For fixtures' teardown,
