@@ -7,9 +7,12 @@
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
 - ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
   (started when first asked for).
+- ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs and small
+  request caps: the end-to-end server of test_client.py and test_security.py (started when first asked for). Each
+  module using it restores it at its end (``restore_server`` with the admin key).
 
-Modules whose flags change what every test there observes (API keys, small caps, data parallel, KV-cache size,
-another model) and tests that end their server keep their own.
+Modules whose flags change what every test there observes (an admin key without a data key, other small caps, data
+parallel, KV-cache size, another model) and tests that end their server keep their own.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
 _STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
 _ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
-                    "shared_servers"}
+                    "keyed_tito", "shared_servers"}
 
 
 @functools.cache
@@ -95,6 +98,9 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
 # --------------------------------------------------------------------------------------------- shared servers
 
 LONG_CONTEXT = 60096  # endless requests (60,000 tokens) after a prompt of a few tokens
+# ``keyed_tito``'s API keys: the data plane's and the admin plane's.
+DATA_KEY, ADMIN_KEY = "data-key-3f9c", "admin-key-81d2"
+KEYED_MAX_MODEL_LEN = 128
 
 
 def first_answers(s: ServerProcess) -> dict[str, httpx.Response]:
@@ -191,6 +197,17 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
         return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                           "--stream-interval", "4", name="tito-lora", timeout=timeout)
 
+    def keyed() -> ServerProcess:
+        # Both keys from the environment, as a deployment would pass them; LoRA; JSON request logs; small request caps
+        # (test_security.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between its
+        # users, and the default 1 GiB cache would be held for nothing.
+        return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--log-requests",
+                          "--log-format", "json", "--max-model-len", str(KEYED_MAX_MODEL_LEN), "--num-kv-blocks", "16",
+                          "--max-num-seqs", "4",
+                          "--max-logprobs", "5", "--max-stop-token-ids", "4", "--max-logit-bias", "2",
+                          "--max-body-bytes", "65536", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
+                          name="tito-keyed", timeout=timeout)
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -198,9 +215,11 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
     # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
-    # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need.
+    # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
+    # too: its users are test_client.py and test_security.py, started when the first of them asks for it.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
-                                              "vllm_ref": vllm}, lazy=frozenset({"vllm_ref"}))
+                                              "keyed_tito": keyed, "vllm_ref": vllm},
+                            lazy=frozenset({"keyed_tito", "vllm_ref"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -224,6 +243,13 @@ def long_tito(shared_servers: SharedServers) -> ServerProcess:
 def lora_tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared LoRA server (test_cli.py, test_lora.py). Each module using it restores it at its end."""
     return shared_servers.get("lora_tito")
+
+
+@pytest.fixture(scope="module")
+def keyed_tito(shared_servers: SharedServers) -> ServerProcess:
+    """The shared server with API keys (test_client.py, test_security.py). Each module using it restores it at its
+    end."""
+    return shared_servers.get("keyed_tito")
 
 
 @pytest.fixture(scope="module")

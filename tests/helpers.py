@@ -161,11 +161,12 @@ def greedy_answer(client: httpx.Client) -> dict[str, list]:
     return {"tokens": ch["token_ids"], "logprobs": [e["logprob"] for e in ch["logprobs"]["content"]]}
 
 
-def restore_server(url: str, drop_broadcaster: bool = False) -> None:
+def restore_server(url: str, drop_broadcaster: bool = False, headers: dict[str, str] | None = None) -> None:
     """Leave a shared server as the next module expects it: nothing in flight, admitting (not draining, not paused),
     the base weights it was started on (version "default", consistent) and, with ``drop_broadcaster``, no weight
-    broadcast group. Every step is a no-op on a server already in that state."""
-    with httpx.Client(base_url=url, timeout=120.0) as c:
+    broadcast group. Every step is a no-op on a server already in that state. ``headers``: the admin key of a server
+    that has one."""
+    with httpx.Client(base_url=url, timeout=120.0, headers=headers) as c:
         c.post("/abort_requests", json={})
         c.delete("/drain")
         state = c.get("/server_info").json()["state"]

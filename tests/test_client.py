@@ -1,7 +1,8 @@
 """app.client against real servers: every method, typed results, streaming, errors, retries, auth, request logs.
 
 Read-only calls use the shared session server. State-changing calls (pause, drain, weights, LoRA, broadcaster) use
-this module's own server, started with API keys, LoRA and JSON request logging; each test restores what it changed.
+the shared keyed server (``keyed_tito``: API keys, LoRA, JSON request logging); each test restores what it changed,
+and the module puts back what tests leave (weight version, broadcast group).
 """
 
 from __future__ import annotations
@@ -21,20 +22,18 @@ import httpx
 import pytest
 
 from app.client import AsyncTitoClient, GenerateResult, StreamDelta, TitoClient, TitoError
-from tests.conftest import start_tito
-from tests.helpers import ROOT, ServerProcess, free_port
+from tests.conftest import ADMIN_KEY, DATA_KEY, KEYED_MAX_MODEL_LEN
+from tests.helpers import ROOT, ServerProcess, free_port, restore_server
 
 PROMPT = [1, 2, 3, 4, 5]
-DATA_KEY, ADMIN_KEY = "data-key-123", "admin-key-456"
 
 
 @pytest.fixture(scope="module")
-def admin_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--log-requests",
-                        "--log-format", "json", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
-                        name="client-admin")
-    yield server
-    server.kill()
+def admin_server(keyed_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared keyed server (both API keys, LoRA, JSON request logs), put back at the module's end: base weights,
+    no broadcast group (test_init_broadcaster_joins_a_trainer_group leaves one)."""
+    yield keyed_tito
+    restore_server(keyed_tito.url, drop_broadcaster=True, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
 
 
 @pytest.fixture
@@ -212,14 +211,15 @@ def test_keys_are_required_and_sent(admin_server: ServerProcess, admin: TitoClie
 
 async def test_abort_ends_a_running_stream_with_finish_reason_abort(admin_server: ServerProcess) -> None:
     # The engine is frozen (pause mode=keep) before the request arrives, so it is certainly still running when aborted
-    # however slow or fast the machine: the tiny model can finish 400 tokens before a client reads its first event.
+    # however slow or fast the machine: the tiny model can finish all its tokens before a client reads its first event.
+    max_tokens = KEYED_MAX_MODEL_LEN - len(PROMPT)  # the whole context the keyed server allows
     rid = f"abort-{uuid.uuid4().hex[:8]}"
     async with AsyncTitoClient(admin_server.url, api_key=DATA_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
         got: list[int] = []
         reasons: list[str] = []
 
         async def consume() -> None:
-            async for d in c.generate_stream(PROMPT, max_tokens=400, ignore_eos=True, request_id=rid):
+            async for d in c.generate_stream(PROMPT, max_tokens=max_tokens, ignore_eos=True, request_id=rid):
                 got.extend(d.token_ids)
                 if d.finish_reason:
                     reasons.append(d.finish_reason)
@@ -237,7 +237,7 @@ async def test_abort_ends_a_running_stream_with_finish_reason_abort(admin_server
         await asyncio.wait_for(reader, 60)
         assert aborted == {"status": "aborted", "aborted": 1}
         assert await c.abort(["no-such-request"]) == {"status": "aborted", "aborted": 0}
-    assert reasons == ["abort"] and len(got) < 400
+    assert reasons == ["abort"] and len(got) < max_tokens
 
 
 def test_pause_resume(admin: TitoClient) -> None:

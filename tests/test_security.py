@@ -25,11 +25,9 @@ from app.safe_pickle import UnsafePickleError, restricted_loads
 from app.sampling import Limits, build_sampling_params, check_prompt, configured_limits
 from app.security import Keys, Plane, classify
 from app.settings import Settings
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess
+from tests.conftest import ADMIN_KEY, DATA_KEY, KEYED_MAX_MODEL_LEN
+from tests.helpers import ServerProcess, restore_server
 
-DATA_KEY = "data-key-3f9c"
-ADMIN_KEY = "admin-key-81d2"
 GEN = "/inference/v1/generate"
 OK_GEN = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0}}
 
@@ -421,15 +419,13 @@ def test_path_escapes_are_403(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real server with both keys (from the environment, as a deployment would pass them), LoRA, and small
-    request caps."""
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-model-len", "128",
-                        "--max-num-seqs", "4", "--max-logprobs", "5", "--max-stop-token-ids", "4",
-                        "--max-logit-bias", "2", "--max-body-bytes", "65536",
-                        env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY}, name="tito-secured")
-    yield server
-    server.kill()
+def secured(keyed_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared keyed server: both keys (from the environment, as a deployment would pass them), LoRA, and small
+    request caps (max_model_len 128, 4 sequences, 5 logprobs, 4 stop token ids, 2 logit biases, 64 KiB bodies; see
+    conftest.py). Put back at the module's end (test_e2e_malicious_broadcast_metadata_runs_nothing leaves a broadcast
+    group)."""
+    yield keyed_tito
+    restore_server(keyed_tito.url, drop_broadcaster=True, headers=bearer(ADMIN_KEY))
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +455,7 @@ def test_e2e_key_rules(secured, data, admin):
     assert_401(httpx.post(url + GEN, json=OK_GEN, headers=bearer("wrong"), timeout=30))
     assert data.post(GEN, json=OK_GEN).status_code == 200
     assert admin.post(GEN, json=OK_GEN).status_code == 200
-    assert data.get("/v1/models").json()["data"][0]["max_model_len"] == 128
+    assert data.get("/v1/models").json()["data"][0]["max_model_len"] == KEYED_MAX_MODEL_LEN == 128
     # The data key never opens an admin route, and the refused call did nothing.
     assert_401(data.post("/pause"), "data-plane API key does not open")
     assert_401(httpx.post(url + "/pause", timeout=30))
