@@ -36,6 +36,7 @@ to its engine processes, with tito's own share.
 
     python scripts/bench.py                          # 3 rounds, all systems, all workloads (make bench)
     python scripts/bench.py --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
+    ... --tito-url http://127.0.0.1:8000 --tito-pid 1234   # drive a tito already running (tests/test_bench_smoke.py)
 """
 
 from __future__ import annotations
@@ -531,9 +532,14 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
 
 
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
-               client: str, tito_args: tuple[str, ...] = ()) -> dict[str, Any]:
+               client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Start ``system``'s server, drive it through the workloads, stop it. With ``running`` (URL, pid): drive that
+    server, already up, instead (not started, not stopped; no ``start_s``)."""
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 
+    if running is not None:
+        url, pid = running
+        return _drive(url, pid, workloads, logs, timeout, client, {})
     port = free_port()
     if system == "tito":
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
@@ -545,18 +551,27 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
     server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
     t0 = time.monotonic()
     server.start(timeout=timeout)
-    results: dict[str, Any] = {"start_s": time.monotonic() - t0}
     assert server.proc is not None
     try:
-        with RssSampler(server.proc.pid) as rss:
-            for wl in [WARMUP, *workloads]:
-                c0 = process_cpu_s(server.proc.pid)
-                res, _ = _worker_json(_self_cmd("--_load", server.url, json.dumps(asdict(wl)), "--client", client),
-                                      timeout, logs / "load.log", engine_env())
-                results[wl.name] = with_cpu(res, process_cpu_s(server.proc.pid) - c0)
-        results["memory"] = rss.result()
+        return _drive(server.url, server.proc.pid, workloads, logs, timeout, client,
+                      {"start_s": time.monotonic() - t0})
     finally:
         server.stop()
+
+
+def _drive(url: str, pid: int, workloads: list[Workload], logs: Path, timeout: float, client: str,
+           results: dict[str, Any]) -> dict[str, Any]:
+    """The warm-up and the workloads against a running server (process ``pid``), each from a load generator process;
+    the server's CPU per request and its memory (and its engine's) next to the results."""
+    from tests.helpers import engine_env
+
+    with RssSampler(pid) as rss:
+        for wl in [WARMUP, *workloads]:
+            c0 = process_cpu_s(pid)
+            res, _ = _worker_json(_self_cmd("--_load", url, json.dumps(asdict(wl)), "--client", client),
+                                  timeout, logs / "load.log", engine_env())
+            results[wl.name] = with_cpu(res, process_cpu_s(pid) - c0)
+    results["memory"] = rss.result()
     return results
 
 
@@ -680,6 +695,12 @@ def main(argv: list[str] | None = None) -> int:
                         "aiohttp (for comparison).")
     p.add_argument("--tito-args", default="",
                    help="Extra flags for tito's server, e.g. --tito-args='--stream-interval 4'.")
+    p.add_argument("--tito-url", default=None,
+                   help="Drive the tito server already running at this URL (started on --model with max_model_len "
+                        f"{MAX_MODEL_LEN}) instead of starting one each round; needs --tito-pid. For the smoke test, "
+                        "which has one up: not a measurement (the server is not fresh, nor alone on the machine).")
+    p.add_argument("--tito-pid", type=int, default=None,
+                   help="The process id of the --tito-url server (its CPU and memory, and its engine's).")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -710,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:
         p.error(f"unknown system/workload: {', '.join(bad)}")
+    if (ns.tito_url is None) != (ns.tito_pid is None):
+        p.error("--tito-url and --tito-pid go together")
+    if ns.tito_url and ns.tito_args:
+        p.error("--tito-args starts tito with those flags; a --tito-url server is already running")
     if "matched" in systems:
         if not {"inprocess", "tito"} <= set(systems):
             p.error("the matched system needs inprocess and tito in the same run (it burns what tito added)")
@@ -738,8 +763,9 @@ def main(argv: list[str] | None = None) -> int:
                 burn = {wl.name: extra_cores(this["tito"][wl.name], this["inprocess"][wl.name]) for wl in workloads}
                 this[s] = run_inprocess(model, workloads, logs, timeout, burn)
             else:
+                running = (ns.tito_url.rstrip("/"), ns.tito_pid) if s == "tito" and ns.tito_url else None
                 this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
-                                     tuple(shlex.split(ns.tito_args)))
+                                     tuple(shlex.split(ns.tito_args)), running)
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
             print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
                   file=sys.stderr, flush=True)
@@ -749,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, systems, workloads, ns.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick, "systems": systems,
-            "client": ns.client, "tito_args": ns.tito_args,
+            "client": ns.client, "tito_args": ns.tito_args, "tito_url": ns.tito_url,
             "workloads": [asdict(w) for w in workloads], "cpus": os.cpu_count(), "python": platform.python_version(),
             "machine": platform.machine(), "max_model_len": MAX_MODEL_LEN}
     doc = {"meta": meta, "summary": summary, "rounds": rounds}

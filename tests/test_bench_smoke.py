@@ -15,15 +15,19 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import ROOT, engine_env
+from tests.helpers import ROOT, ServerProcess, engine_env
 
 
 @pytest.mark.engine
-def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path: Path) -> None:
+def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: ServerProcess, tmp_path: Path) -> None:
+    """The tito system is the session's shared default server (the tiny model at its own 512-token context, as
+    bench.py starts it): one engine start fewer than bench.py starting its own (the in-process systems start theirs)."""
+    assert tito.proc is not None
     out_dir = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, "scripts/bench.py", "--quick", "--rounds", "1", "--systems", "matched,inprocess,tito",
-         "--workloads", "64x64,stream64x64,1x1,mixed", "--model", str(tiny_model), "--out", str(out_dir)],
+         "--workloads", "64x64,stream64x64,1x1,mixed", "--model", str(tiny_model), "--out", str(out_dir),
+         "--tito-url", tito.url, "--tito-pid", str(tito.proc.pid)],
         capture_output=True, text=True, cwd=ROOT, env=engine_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
@@ -31,6 +35,7 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tmp_path:
     assert "tito/inprocess" in proc.stdout and "tito/matched" in proc.stdout
 
     doc = json.loads((out_dir / "bench.json").read_text())
+    assert doc["meta"]["tito_url"] == tito.url and "start_s" not in doc["rounds"][0]["tito"]
     summary = doc["summary"]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
         for system in ("inprocess", "tito"):
