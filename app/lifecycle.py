@@ -1,10 +1,8 @@
-"""Process lifecycle: the HTTP server, SIGTERM drain, fast shutdown on a second signal, exit when the engine dies.
+"""Process lifecycle: SIGTERM drain, fast shutdown on a second signal, and exit when the engine dies.
 
-The HTTP server is granian's (Rust HTTP/1.1, embedded in tito's own asyncio loop): for a streamed answer it costs
-about a quarter less CPU per event than uvicorn on the server and a third less on the client (`scripts/bench.py`;
-on 2 cores that CPU is the engine's). The lifecycle around it is tito's own: a replica that is leaving keeps
-answering — ``/ready`` 503 and new generate requests 503 with ``Retry-After`` — while its in-flight requests finish,
-then aborts what is left, stops the server (the lifespan shuts the engine down) and exits 0.
+uvicorn's own SIGTERM handling closes the listening socket at once and waits for open connections; a replica that is
+leaving should instead keep answering — ``/ready`` 503 and new generate requests 503 with ``Retry-After`` — while
+its in-flight requests finish, then abort what is left, shut the engine down and exit 0. ``TitoServer`` does that.
 """
 
 from __future__ import annotations
@@ -13,7 +11,10 @@ import asyncio
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -22,94 +23,61 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tito.lifecycle")
 
-# After a drain (or abort) the connections are idle or closing; the server only needs a moment to close them.
+# After a drain (or abort) the connections are idle or closing; uvicorn only needs a moment to close them.
 CLOSE_GRACE_S = 5.0
 # How long aborted requests get to write their final (partial) answer before the server stops.
 ABORT_GRACE_S = 5.0
-# The lifespan's shutdown (services, then the engine: vLLM's own shutdown takes seconds) after the server stopped.
-STOP_TIMEOUT_S = 60.0
-# Longer than any client's idle keep-alive: a server closing an idle connection just as the client reuses it is how
-# vLLM's own server "drops" requests (ServerDisconnectedError). granian counts the idle time as header-read time.
-KEEP_ALIVE_S = 120
-# Connections waiting to be accepted, and requests the server runs at once (granian's default is 128 of each:
-# fewer than one trainer's rollouts).
-BACKLOG = 4096
-MAX_CONCURRENT_REQUESTS = 65536
-# The process exit code when the server stopped before it was told to (the port could not be bound, ...).
-SERVER_FAILED = 3
 
 
-class Lifecycle:
-    """Runs the HTTP server until it is told to stop; returns the exit code.
+class TitoServer(uvicorn.Server):
+    """uvicorn's server with tito's shutdown.
 
     - SIGTERM: drain for up to ``--shutdown-timeout`` seconds (the listener stays open: new work gets 503), abort
       what is left, then stop; the lifespan shuts the engine down; exit code 0.
     - SIGINT, or a second signal during the drain: the same without the wait (abort in-flight work now).
-    - ``request_exit(code)`` (``app.state.request_exit``): stop with that exit code (the engine died or could not
-      start).
+    - ``request_exit(code)``: stop with that exit code (used when the engine dies).
     """
 
-    def __init__(self, app: FastAPI, server: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
         self.app = app
-        self.server = server
         self.exit_code = 0
         self._signals: list[int] = []
         self._immediate = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._drain: asyncio.Task[None] | None = None
+        self._shutdown_task: asyncio.Task[None] | None = None
         app.state.request_exit = self.request_exit
 
-    def request_exit(self, code: int) -> None:
-        if not self._stop.is_set():
-            self.exit_code = code
-        self._stop.set()
-
-    def on_signal(self, sig: int) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: only record; ``on_tick`` (every 0.1 s on the loop) acts on it. Unlike uvicorn's handler
+        # this does not re-raise the signal after shutdown, so a clean drain exits 0.
         self._signals.append(sig)
-        state: AppState | None = getattr(self.app.state, "tito", None)
-        if state is None:
-            self._stop.set()  # still starting (or already stopped): nothing to drain
-            return
-        if sig != signal.SIGTERM or len(self._signals) > 1:
-            self._immediate.set()
-        if self._drain is None:
-            self._drain = asyncio.ensure_future(self._drain_then_stop(state))
+        if getattr(self.app.state, "tito", None) is None:
+            # Still starting (or already stopped): nothing to drain.
+            self.should_exit = True
 
-    async def _drain_then_stop(self, state: AppState) -> None:
+    def request_exit(self, code: int) -> None:
+        self.exit_code = code
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signals and not self.should_exit:
+            state: AppState | None = getattr(self.app.state, "tito", None)
+            if state is None:
+                self.should_exit = True
+            else:
+                immediate = self._signals[0] != signal.SIGTERM or len(self._signals) > 1
+                if immediate and not self._immediate.is_set():
+                    self._immediate.set()
+                if self._shutdown_task is None:
+                    self._shutdown_task = asyncio.ensure_future(self._drain_then_exit(state))
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self, state: AppState) -> None:
         try:
             await drain_for_shutdown(state, state.settings.shutdown_timeout, self._immediate)
         except Exception:  # noqa: BLE001 - whatever happens, the server must still stop
             log.exception("shutdown drain failed")
-        self._stop.set()
-
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.on_signal, sig)
-        serving = asyncio.ensure_future(self.server.serve())
-        stop = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done():
-                # The server ended by itself: it could not bind its port, or its lifespan failed.
-                exc = serving.exception()
-                if exc is not None:
-                    log.error("the HTTP server failed: %s: %s", type(exc).__name__, exc)
-                return self.exit_code or SERVER_FAILED
-            self.server.stop()
-            try:
-                # Closing the connections, then the lifespan's shutdown (the engine).
-                await asyncio.wait_for(asyncio.shield(serving), CLOSE_GRACE_S + STOP_TIMEOUT_S)
-            except TimeoutError:
-                log.error("the server did not stop within %.0fs; exiting anyway", CLOSE_GRACE_S + STOP_TIMEOUT_S)
-                serving.cancel()
-            except Exception as e:  # noqa: BLE001 - stopping anyway
-                log.error("stopping the HTTP server failed: %s", e)
-            return self.exit_code
-        finally:
-            stop.cancel()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        self.should_exit = True
 
 
 async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio.Event) -> None:
@@ -137,27 +105,24 @@ async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio
              time.monotonic() - t0)
 
 
-def http_server(app: FastAPI, host: str, port: int) -> Any:
-    """granian's HTTP/1.1 server for ``app``, embedded in the running loop (its Rust side does the socket I/O)."""
-    from granian.constants import HTTPModes, Interfaces
-    from granian.http import HTTP1Settings
-    from granian.log import LogLevels
-    from granian.server.embed import Server
-
-    quiet = {"handlers": [], "propagate": True}  # through tito's own log handler and format
-    return Server(app, address=host, port=port, interface=Interfaces.ASGI, http=HTTPModes.http1, websockets=False,
-                  backlog=BACKLOG, backpressure=MAX_CONCURRENT_REQUESTS,
-                  http1_settings=HTTP1Settings(header_read_timeout=KEEP_ALIVE_S * 1000),
-                  # Its one warning at every start is "Embedded server is experimental!"; errors still show.
-                  log_level=LogLevels.error,
-                  log_dictconfig={"loggers": {"_granian": quiet, "granian.access": quiet}})
-
-
 def serve(app: FastAPI, host: str, port: int) -> int:
-    """Serve ``app`` until it is told to stop; returns the process exit code."""
-    import uvloop
-
-    async def main() -> int:
-        return await Lifecycle(app, http_server(app, host, port)).run()
-
-    return uvloop.run(main())
+    """Run the app until it is told to stop; returns the process exit code."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        # Longer than any client's idle keep-alive: a server closing an idle connection just as the client reuses
+        # it is how vLLM's own server "drops" requests (ServerDisconnectedError).
+        timeout_keep_alive=120,
+        # The drain happened before uvicorn's own shutdown starts; this only bounds closing the connections.
+        timeout_graceful_shutdown=int(CLOSE_GRACE_S),
+    )
+    server = TitoServer(config, app)
+    server.run()
+    if not server.started:
+        return 3  # the lifespan failed (engine did not start); uvicorn has logged why
+    return server.exit_code

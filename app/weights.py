@@ -375,7 +375,7 @@ class WeightManager:
         try:
             if not await eng.is_paused():
                 # In-flight requests finish on the old weights; new ones queue until resume.
-                await eng.pause(mode="wait", clear_cache=False)
+                await eng.pause(mode="wait", clear_cache=False, settle=False)
                 paused_here = True
             try:
                 results = await load()
