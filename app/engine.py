@@ -265,8 +265,14 @@ class Engine:
 
     # ------------------------------------------------------------------ control
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, settle: bool = True) -> None:
+        """``settle=False`` skips the 20 ms sleep ``pause_generation`` adds after the scheduler has paused (there only
+        so the last outputs reach their callers first; vLLM notes it is not needed for correctness). A weight update
+        does not need it: every token carries its version from the engine. Half of what tito adds to an update."""
+        if settle:
+            await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        else:
+            await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
 
     async def resume(self) -> None:
         await self.llm.resume_generation()

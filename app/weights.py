@@ -186,10 +186,20 @@ class UpdateOutcome:
     seconds: float
     bytes: int
     noop: bool = False
+    reload_seconds: float | None = None  # vLLM's own in-place reload inside the slowest worker (the rest is tito's)
 
     def body(self) -> dict[str, Any]:
-        return {"status": "ok", "weight_version": self.version, "source": self.source, "noop": self.noop,
-                "seconds": round(self.seconds, 4), "bytes": self.bytes}
+        out = {"status": "ok", "weight_version": self.version, "source": self.source, "noop": self.noop,
+               "seconds": round(self.seconds, 4), "bytes": self.bytes}
+        if self.reload_seconds is not None:
+            out["reload_seconds"] = round(self.reload_seconds, 4)
+        return out
+
+
+def reload_seconds(results: list[Any] | None) -> float | None:
+    """The slowest worker's ``reload_seconds`` (vLLM's reload), if the workers reported one."""
+    times = [float(r["reload_seconds"]) for r in results or [] if isinstance(r, dict) and "reload_seconds" in r]
+    return max(times) if times else None
 
 
 def log_kept(results: list[Any] | None) -> None:
@@ -365,7 +375,7 @@ class WeightManager:
         try:
             if not await eng.is_paused():
                 # In-flight requests finish on the old weights; new ones queue until resume.
-                await eng.pause(mode="wait", clear_cache=False)
+                await eng.pause(mode="wait", clear_cache=False, settle=False)
                 paused_here = True
             try:
                 results = await load()
@@ -380,6 +390,7 @@ class WeightManager:
                 self.state.check_engine()
                 raise err from None
             touched = True
+            engine_s = reload_seconds(results)
             log_kept(results)
             await eng.set_weight_version(version)
             self.state.weight_version = version
@@ -399,8 +410,9 @@ class WeightManager:
         metrics.WEIGHT_UPDATES.labels(source, "ok").inc()
         metrics.WEIGHT_UPDATE_SECONDS.labels(source).observe(dt)
         metrics.WEIGHT_VERSION.info({"version": version})
-        log.info("weights updated from %s: version=%s, %d bytes in %.3fs", source, version, nbytes, dt)
-        return UpdateOutcome(version, source, dt, nbytes)
+        log.info("weights updated from %s: version=%s, %d bytes in %.3fs%s", source, version, nbytes, dt,
+                 f" (vLLM's reload {engine_s:.3f}s, tito {dt - engine_s:.3f}s)" if engine_s is not None else "")
+        return UpdateOutcome(version, source, dt, nbytes, reload_seconds=engine_s)
 
     # ------------------------------------------------------------------ vLLM's native transfer
 

@@ -74,15 +74,18 @@ class TitoWorkerExtension:
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset()
         before = self.tito_buffer_digests()
+        t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         except BaseException:
             self._tito_abandon_reload()
             raise
+        reload_s = time.perf_counter() - t0
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
+        # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it.
         return {"kept": dict(report.kept), "rotary_before": _digest_of(before),
-                "rotary_after": _digest_of(self.tito_buffer_digests())}
+                "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": reload_s}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts

@@ -124,7 +124,7 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ control
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, settle: bool = True) -> None:
         self.paused = True
 
     async def resume(self) -> None:

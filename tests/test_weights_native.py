@@ -36,7 +36,7 @@ class StubEngine:
     async def is_paused(self) -> bool:
         return self.paused
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, settle: bool = True) -> None:
         self.calls.append(f"pause:{mode}")
         self.paused = True
 
