@@ -110,6 +110,7 @@ def test_broadcast_updates_match_the_sent_weights(client, root):
                 assert client.post("/resume").json() == {"status": "resumed"}
             out = r.json()
             assert out["source"] == "broadcast" and out["noop"] is False
+            assert 0 < out["reload_seconds"] < out["seconds"]
             assert out["weight_version"] == ("step_1" if seed == 31 else "bcast-2")
             # 18 model tensors in fp32 plus the two float64 rotary buffers (sent, then skipped).
             assert out["bytes"] == sum(v.numel() * 4 for v in tiny_state_dict(seed).values()) + 32 * 8
