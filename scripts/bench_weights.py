@@ -20,6 +20,7 @@ is where vLLM re-packs every linear weight for oneDNN).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -167,25 +168,24 @@ class System:
         self.loads: list[float] = []
         self.cpus: list[float] = []
         self.reloads: list[float] = []  # tito: vLLM's reload inside the same update (its answer's reload_seconds)
-        self.last_reload = 0.0
 
-    def load(self, d: Path, tag: str) -> None:
+    def load(self, d: Path, tag: str) -> float | None:
+        """One load of ``d``; tito's answer says how long vLLM's reload took inside it (None for vLLM's server)."""
         if self.name == "tito":
             r = self.client.post("/update_weights", json={"weight_dir": str(d), "weight_version": f"bench-{tag}"})
             assert r.status_code == 200, r.text
-            self.last_reload = float(r.json()["reload_seconds"])
-        else:
-            r = self.client.post("/collective_rpc", json={"method": "reload_weights",
-                                                          "kwargs": {"weights_path": str(d)}})
-            assert r.status_code == 200, r.text
+            return float(r.json()["reload_seconds"])
+        r = self.client.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(d)}})
+        assert r.status_code == 200, r.text
+        return None
 
     def timed(self, d: Path, tag: str) -> None:
         c0, t0 = tree_cpu_s(self.pid), time.perf_counter()
-        self.load(d, tag)
+        inner = self.load(d, tag)
         self.loads.append(time.perf_counter() - t0)
         self.cpus.append(tree_cpu_s(self.pid) - c0)
-        if self.name == "tito":
-            self.reloads.append(self.last_reload)
+        if inner is not None:
+            self.reloads.append(inner)
 
     def stop(self) -> None:
         self.client.close()
@@ -206,17 +206,16 @@ def run(systems: list[str], model: Path, steps: list[Path], work: Path, repeat: 
     """Every system up at once; the timed loads interleave (the order alternates each round), so a slow spell of
     the machine falls on both. Each round re-reads the step's files first, as the page-cache-warm baseline."""
     up: list[System] = []
-    spies: list[Spy] = []
     reads: list[float] = []
-    try:
+    with contextlib.ExitStack() as stack:
         for name in systems:
             up.append(System(name, model, work))
+            stack.callback(up[-1].stop)
         for s in up:
             s.load(steps[1], "warm")  # the first load of a server pays one-time costs
         if profile:
-            spies = [Spy(engine_pid(s.pid), work / f"{s.name}.stacks") for s in up]
-            for spy in spies:
-                spy.__enter__()
+            for s in up:
+                stack.enter_context(Spy(engine_pid(s.pid), work / f"{s.name}.stacks"))
         for i in range(repeat):
             d = steps[i % 2]
             for s in (up if i % 2 == 0 else up[::-1]):
@@ -224,15 +223,9 @@ def run(systems: list[str], model: Path, steps: list[Path], work: Path, repeat: 
                 s.timed(d, f"{i}")
                 print(f"{s.name} run {i}: {s.loads[-1]:.3f}s, cpu {s.cpus[-1]:.2f}s, read {reads[-1]:.3f}s",
                       file=sys.stderr)
-    finally:
-        for spy in spies:
-            spy.__exit__()
-        for s in up:
-            s.stop()
     res = {s.name: s.result() for s in up}
-    for s in up:
-        res[s.name]["read_s"] = min(reads)
-        if profile:
+    if profile:
+        for s in up:
             res[s.name]["profile"] = reload_shares(work / f"{s.name}.stacks")
     return res, reads
 
