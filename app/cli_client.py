@@ -228,94 +228,57 @@ def cmd_drain(ns: argparse.Namespace) -> int:
     return 0 if drained else 1
 
 
-def cmd_undrain(ns: argparse.Namespace) -> int:
+def _one_call(ns: argparse.Namespace, call: Callable[[Any], Any], done: Callable[[str, float], str],
+              label: str | None = None) -> int:
+    """The admin commands' shape: one client call, then ``done(<the answer as JSON>, seconds)`` printed; with
+    ``label``, a progress line on stderr while it runs. A server error is printed and exits 1."""
     import json
 
     from app.client import TitoError
 
     try:
         with _client(ns) as c:
-            out = c.undrain()
+            out, elapsed = _progress(label, lambda: call(c)) if label is not None else (call(c), 0.0)
     except TitoError as e:
         return _fail(e)
-    print(f"undrain: {json.dumps(out)}")
+    print(done(json.dumps(out), elapsed))
     return 0
+
+
+def cmd_undrain(ns: argparse.Namespace) -> int:
+    return _one_call(ns, lambda c: c.undrain(), lambda out, _: f"undrain: {out}")
 
 
 def cmd_update_weights(ns: argparse.Namespace) -> int:
-    import json
     import os
-
-    from app.client import TitoError
 
     # The server resolves the path, so send an absolute one (relative to where the CLI runs, as the user means it).
     weight_dir = os.path.abspath(ns.dir)
-    try:
-        with _client(ns) as c:
-            out, elapsed = _progress(f"updating weights from {weight_dir}",
-                                     lambda: c.update_weights(weight_dir, ns.weight_version, timeout=ns.timeout))
-    except TitoError as e:
-        return _fail(e)
-    print(f"weights updated from {weight_dir} in {elapsed:.2f}s: {json.dumps(out)}")
-    return 0
+    return _one_call(ns, lambda c: c.update_weights(weight_dir, ns.weight_version, timeout=ns.timeout),
+                     lambda out, s: f"weights updated from {weight_dir} in {s:.2f}s: {out}",
+                     f"updating weights from {weight_dir}")
 
 
 def cmd_load_lora(ns: argparse.Namespace) -> int:
-    import json
     import os
 
-    from app.client import TitoError
-
     path = os.path.abspath(ns.dir)
-    try:
-        with _client(ns) as c:
-            out, elapsed = _progress(f"loading adapter {ns.name} from {path}", lambda: c.load_lora(ns.name, path))
-    except TitoError as e:
-        return _fail(e)
-    print(f"adapter {ns.name} loaded from {path} in {elapsed:.2f}s: {json.dumps(out)}")
-    return 0
+    return _one_call(ns, lambda c: c.load_lora(ns.name, path),
+                     lambda out, s: f"adapter {ns.name} loaded from {path} in {s:.2f}s: {out}",
+                     f"loading adapter {ns.name} from {path}")
 
 
 def cmd_unload_lora(ns: argparse.Namespace) -> int:
-    import json
-
-    from app.client import TitoError
-
-    try:
-        with _client(ns) as c:
-            out = c.unload_lora(ns.name)
-    except TitoError as e:
-        return _fail(e)
-    print(f"adapter {ns.name} unloaded: {json.dumps(out)}")
-    return 0
+    return _one_call(ns, lambda c: c.unload_lora(ns.name), lambda out, _: f"adapter {ns.name} unloaded: {out}")
 
 
 def cmd_pause(ns: argparse.Namespace) -> int:
-    import json
-
-    from app.client import TitoError
-
-    try:
-        with _client(ns) as c:
-            out, elapsed = _progress(f"pausing ({ns.mode})", lambda: c.pause(ns.mode, ns.clear_cache))
-    except TitoError as e:
-        return _fail(e)
-    print(f"paused in {elapsed:.2f}s: {json.dumps(out)}")
-    return 0
+    return _one_call(ns, lambda c: c.pause(ns.mode, ns.clear_cache), lambda out, s: f"paused in {s:.2f}s: {out}",
+                     f"pausing ({ns.mode})")
 
 
 def cmd_resume(ns: argparse.Namespace) -> int:
-    import json
-
-    from app.client import TitoError
-
-    try:
-        with _client(ns) as c:
-            out = c.resume()
-    except TitoError as e:
-        return _fail(e)
-    print(f"resumed: {json.dumps(out)}")
-    return 0
+    return _one_call(ns, lambda c: c.resume(), lambda out, _: f"resumed: {out}")
 
 
 def add_client_commands(sub: Any) -> None:
