@@ -1,7 +1,7 @@
 """Generation control for RL trainers: ``POST /pause``, ``POST /resume``, ``GET /is_paused`` (vLLM's routes and shapes).
 
-Pause, resume and weight updates run one at a time in arrival order (``app/control.py`` says what concurrent calls
-do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
+Pause, resume and weight updates run one at a time in arrival order (``app/server/control.py`` says what concurrent
+calls do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query
 from starlette.responses import Response
 
-from app import metrics
-from app.protocol import ERROR_RESPONSES, ApiError, json_response
-from app.state import AppState, get_state
+from app.core import metrics
+from app.core.protocol import ERROR_RESPONSES, ApiError, json_response
+from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.control")
 router = APIRouter(tags=["control"])

@@ -17,8 +17,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
-from app.protocol import ERROR_RESPONSES, ApiError, json_response, validation_error
-from app.state import AppState, get_state
+from app.core.protocol import ERROR_RESPONSES, ApiError, json_response, validation_error
+from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.lifecycle")
 router = APIRouter(tags=["lifecycle"])

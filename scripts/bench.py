@@ -388,8 +388,8 @@ def extra_cores(tito: dict[str, Any], inprocess: dict[str, Any]) -> float:
 def inprocess_main(model: str, workloads: list[Workload], burn: dict[str, float] | None = None) -> dict[str, Any]:
     """Run in the worker process: start the engine like tito does (same settings), run the workloads. With ``burn``
     (the ``matched`` system), each workload runs beside a :class:`Burner` of that many cores."""
-    from app.engine import Engine
-    from app.settings import Settings
+    from app.core.settings import Settings
+    from app.engine.adapter import Engine
 
     settings = Settings(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, warmup=True)
 
@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
     model = ns.model
     if model is None:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
     model = str(Path(model).resolve())

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         model = ns.model
         if model is None:
-            from app.tiny_model import make_tiny_model
+            from app.tiny.model import make_tiny_model
 
             model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
         port = free_port()

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [bench.WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
     model = ns.model
     if model is None:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
     out = Path(ns.out)

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.checkpoints:
         ckpts = [str(Path(x).resolve()) for x in ns.checkpoints.split(",") if x]
     else:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         ckpts = [str(make_tiny_model(out / "soak" / "ckpt-a")), str(make_tiny_model(out / "soak" / "ckpt-b", seed=1))]
     server = None

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.dynamo import dynamo_available
-from app.tiny_model import make_tiny_model
+from app.dynamo.sidecar import dynamo_available
+from app.tiny.model import make_tiny_model
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, engine_env, free_port
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.dynamo_wire import BadRequest, CardFacts, completion_usage, error_message, to_dynamo_chunk, to_tito_request
-from app.tiny_model import TINY_CONFIG, make_tiny_model
-from app.tiny_tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES
+from app.dynamo.wire import BadRequest, CardFacts, completion_usage, error_message, to_dynamo_chunk, to_tito_request
+from app.tiny.model import TINY_CONFIG, make_tiny_model
+from app.tiny.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES
 
 
 def _digest(d: Path) -> dict[str, str]:

@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app import metrics
-from app.control import ControlPlane
-from app.protocol import ApiError
-from app.weights import UNTOUCHED, UpdateOutcome, WeightManager
+from app.core import metrics
+from app.core.protocol import ApiError
+from app.server.control import ControlPlane
+from app.weights.updates import UNTOUCHED, UpdateOutcome, WeightManager
 
 
 class StubEngine:
@@ -196,7 +196,7 @@ def test_apply_integrity_and_who_resumes() -> None:
 
 
 def test_resume_route_refuses_inconsistent_weights() -> None:
-    from app.state import get_state
+    from app.server.state import get_state
     from routers import control
 
     st = StubState()
@@ -265,7 +265,7 @@ class _Wire:
 def _worker(wire: _Wire) -> Any:
     import torch
 
-    from app.worker_ext import TitoWorkerExtension, _Broadcaster
+    from app.engine.worker import TitoWorkerExtension, _Broadcaster
 
     class Worker(TitoWorkerExtension):
         device = torch.device("cpu")
