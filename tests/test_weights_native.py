@@ -65,11 +65,15 @@ class StubState:
     def __init__(self) -> None:
         self.engine = StubEngine()
         self.settings = SimpleNamespace(model="/nonexistent")
-        self.weight_version = "default"
         self.aborted = 0
         self.inflight = 0
-        self.weights = WeightManager(self)  # type: ignore[arg-type]
-        self.control = ControlPlane(self)  # type: ignore[arg-type]
+        self.weights = WeightManager(self.engine, self.settings.model, abort=self.abort,  # type: ignore[arg-type]
+                                     check_engine=self.check_engine)
+        self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)  # type: ignore[arg-type]
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
 
     async def abort(self, ids: list[str] | None = None) -> int:
         self.aborted += 1

@@ -2,6 +2,6 @@
 (``multimodal``), wire sampling parameters to vLLM's ``SamplingParams`` (``sampling``), and the code that runs inside
 vLLM's worker processes (``worker``, with the ``weight_markers`` it shares with the server and ``safe_pickle``).
 
-The only package that imports vLLM. Imports: ``app.core``. ``worker`` must stay importable in a freshly spawned
+Imports: ``app.core``; the only package that imports vLLM. ``worker`` must stay importable in a freshly spawned
 process: it imports nothing of tito but its two neighbours, and this file imports nothing.
 """

@@ -26,7 +26,8 @@ from app.core import metrics
 from app.core.protocol import ApiError
 
 if TYPE_CHECKING:
-    from app.server.state import AppState
+    from app.engine.adapter import Engine
+    from app.weights.updates import WeightManager
 
 log = logging.getLogger("tito.control")
 T = TypeVar("T")
@@ -37,8 +38,12 @@ ENGINE_CALL_TIMEOUT_S = 60.0
 class ControlPlane:
     """One per server (``AppState.control``)."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, engine: Engine, weights: WeightManager, *, inflight: Callable[[], int]) -> None:
+        """``weights``: the update in progress and the weights' consistency; ``inflight()`` counts the requests in
+        flight."""
+        self.engine = engine
+        self.weights = weights
+        self._inflight = inflight
         self.lock = asyncio.Lock()
         self.holder: str | None = None  # what holds the lock now, for error messages and /server_info
         self.queued = 0
@@ -104,7 +109,7 @@ class ControlPlane:
 
     async def after_update(self, wait: float) -> None:
         """Wait (up to ``wait`` s, else 409) for a weight update that runs outside this queue (a retry joining it)."""
-        mgr = self.state.weights
+        mgr = self.weights
         if mgr.busy and not self.updates:
             # Also a native update (/start_weight_update .. /finish_weight_update), which holds no task of its own.
             log.info("control call waits for the running weight update")
@@ -119,7 +124,7 @@ class ControlPlane:
         await self.run(f"pause (mode={mode})", do, timeout)
 
     async def _pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
-        eng = self.state.engine
+        eng = self.engine
         was_paused = await eng.is_paused()
         task = asyncio.ensure_future(eng.pause(mode=mode, clear_cache=clear_cache))
         if mode != "wait":
@@ -130,7 +135,7 @@ class ControlPlane:
         given_way = asyncio.ensure_future(supersede.wait())
         # ``timeout`` bounds the wait for in-flight requests; with none there is nothing to drain, and the engine's
         # own round trip gets the usual engine-call bound (a timeout of 1e-300 must not turn an idle pause into 504).
-        limit = timeout if self.state.inflight else max(timeout, ENGINE_CALL_TIMEOUT_S)
+        limit = timeout if self._inflight() else max(timeout, ENGINE_CALL_TIMEOUT_S)
         try:
             done, _ = await asyncio.wait({task, given_way}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -162,12 +167,12 @@ class ControlPlane:
             self._supersede.set()  # the last call wins: a draining mode=wait pause gives way to this resume
 
         async def do() -> None:
-            bad = self.state.weights.inconsistent
+            bad = self.weights.inconsistent
             if bad is not None:
                 # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
                 raise ApiError(409, f"{bad.message()} before resuming; /resume is refused until then.")
             try:
-                await asyncio.wait_for(self.state.engine.resume(), ENGINE_CALL_TIMEOUT_S)
+                await asyncio.wait_for(self.engine.resume(), ENGINE_CALL_TIMEOUT_S)
             except TimeoutError:
                 raise ApiError(504, f"resume did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
             self._paused(None)

@@ -37,7 +37,6 @@ class AppState:
     shutting_down: bool = False
     ready: bool = False
     inflight: int = 0
-    weight_version: str = "default"
     # {"time": epoch seconds, "cause": str} once the engine is found dead.
     engine_failure: dict[str, Any] | None = None
     # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
@@ -57,12 +56,25 @@ class AppState:
         self.limits = Limits(vocab_size=f.vocab_size, max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
                              max_logprobs=f.max_logprobs, priority_scheduling=f.priority_scheduling)
         self._idle.set()
+        # Each manager gets what it uses (the engine, its settings, narrow callbacks), never this object: the
+        # arrows point one way, server -> weights -> engine.
         # Weight updates: one at a time, idempotent, cancellation-safe (app/weights/updates.py).
-        self.weights = WeightManager(self)
+        self.weights = WeightManager(self.engine, self.settings.model, abort=self.abort,
+                                     check_engine=self.check_engine)
         # LoRA adapters: registry and load/unload orchestration (app/weights/lora.py).
-        self.adapters = LoraManager(self)
+        self.adapters = LoraManager(self.engine, self.settings, check_engine=self.check_engine,
+                                    inflight=lambda: self.inflight)
         # Pause/resume/update transitions: one at a time, in arrival order (app/server/control.py).
-        self.control = ControlPlane(self)
+        self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version being served (the weight manager keeps it and sets it on each update)."""
+        return self.weights.version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.weights.version = version
 
     @property
     def loras(self) -> dict[str, LoraEntry]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,8 @@ from app.weights.lora_check import validate_adapter
 from app.weights.paths import resolve_allowed
 
 if TYPE_CHECKING:
-    from app.server.state import AppState
+    from app.core.settings import Settings
+    from app.engine.adapter import Engine
 
 log = logging.getLogger("tito.lora")
 
@@ -50,8 +51,13 @@ class LoraEntry:
 class LoraManager:
     """The adapter registry. Loads and unloads are serialized (admin calls, one per RL step); ids are never reused."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, engine: Engine, settings: Settings, *, check_engine: Callable[[], None],
+                 inflight: Callable[[], int]) -> None:
+        """``check_engine()`` raises 503 when the engine is dead; ``inflight()`` counts the requests in flight."""
+        self.engine = engine
+        self.settings = settings
+        self._check_engine = check_engine
+        self._inflight = inflight
         self.entries: dict[str, LoraEntry] = {}
         self.lock = asyncio.Lock()
         self.next_id = 1
@@ -63,10 +69,10 @@ class LoraManager:
         return entry
 
     def _require_lora(self) -> None:
-        if not self.state.facts.enable_lora:
+        if not self.engine.facts.enable_lora:
             raise ApiError(400, "LoRA is not enabled on this server; start tito with --enable-lora "
                                 "(and --max-lora-rank/--max-loras).")
-        self.state.check_engine()
+        self._check_engine()
 
     @asynccontextmanager
     async def _exclusive(self) -> AsyncIterator[None]:
@@ -94,13 +100,13 @@ class LoraManager:
 
     async def load(self, name: str, raw_path: str, *, inplace: bool) -> LoraEntry:
         """Validate then load (or, with ``inplace``, reload under the same id) an adapter; returns its entry."""
-        state = self.state
+        facts, engine, settings = self.engine.facts, self.engine, self.settings
         self._require_lora()
         if not name or not raw_path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in (state.facts.name, state.facts.path):
+        if name in (facts.name, facts.path):
             raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name")
-        path = resolve_allowed(state.settings, raw_path, "lora_path")
+        path = resolve_allowed(settings, raw_path, "lora_path")
 
         async with self._exclusive():
             existing = self.entries.get(name)
@@ -110,16 +116,16 @@ class LoraManager:
             kind = "reload" if existing is not None else "load"
             t0 = time.monotonic()
             try:
-                info = await asyncio.to_thread(validate_adapter, path, max_rank=state.facts.max_lora_rank,
-                                               model_dir=state.settings.model)
+                info = await asyncio.to_thread(validate_adapter, path, max_rank=facts.max_lora_rank,
+                                               model_dir=settings.model)
                 if existing is not None:
                     int_id = existing.int_id
                 else:
                     int_id, self.next_id = self.next_id, self.next_id + 1
                 try:
                     # load_inplace only on this call: it makes the engine replace the cached weights of int_id.
-                    await wait_or_timeout(state.engine.add_lora(name, int_id, str(path),
-                                                                load_inplace=existing is not None), ENGINE_TIMEOUT)
+                    await wait_or_timeout(engine.add_lora(name, int_id, str(path),
+                                                          load_inplace=existing is not None), ENGINE_TIMEOUT)
                 except (TimeoutError, EngineDead, EngineRejected) as e:
                     raise self._refusal(name, e) from None
             except Exception as e:
@@ -131,13 +137,13 @@ class LoraManager:
             if existing is not None and existing.path == str(path):
                 # Prefix-cache blocks are keyed by adapter name and path, so a same-path reload would reuse KV
                 # computed with the old weights.
-                if not await wait_or_timeout(state.engine.reset_prefix_cache(), ENGINE_TIMEOUT):
+                if not await wait_or_timeout(engine.reset_prefix_cache(), ENGINE_TIMEOUT):
                     log.warning("LoRA adapter '%s' reloaded from the same path but the prefix cache could not be "
                                 "reset (requests running); cached prefixes may reflect the old weights", name)
             entry = LoraEntry(name=name, int_id=int_id, path=str(path), loaded_at=time.time(), rank=info.rank,
                               alpha=info.alpha, target_modules=info.target_modules,
                               reloads=existing.reloads + 1 if existing is not None else 0,
-                              handle=state.engine.lora_request(name, int_id, str(path)))
+                              handle=engine.lora_request(name, int_id, str(path)))
             self.entries[name] = entry
             seconds = time.monotonic() - t0
             LORA_LOADS.labels(kind, "ok").inc()
@@ -158,9 +164,9 @@ class LoraManager:
             # in-flight request still using it would make the engine re-read it from disk, which may be gone by
             # then. Otherwise the engine's LRU cache (--max-cpu-loras) evicts it later; ids are never reused.
             freed = False
-            if self.state.inflight == 0:
+            if self._inflight() == 0:
                 try:
-                    freed = await wait_or_timeout(self.state.engine.remove_lora(entry.int_id), ENGINE_TIMEOUT)
+                    freed = await wait_or_timeout(self.engine.remove_lora(entry.int_id), ENGINE_TIMEOUT)
                 except Exception as e:  # noqa: BLE001 - the adapter is unloaded from the registry either way
                     log.warning("engine could not drop LoRA adapter '%s' (id %d): %s", name, entry.int_id, e)
             LORA_LOADS.labels("unload", "ok").inc()
@@ -172,4 +178,4 @@ class LoraManager:
                 "alpha": entry.alpha, "target_modules": entry.target_modules, "loaded_at": entry.loaded_at,
                 "reloads": entry.reloads,
                 # What generation sends to the engine for this adapter: must never carry load_inplace.
-                "request": self.state.engine.describe_lora(entry.handle)}
+                "request": self.engine.describe_lora(entry.handle)}

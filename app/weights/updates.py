@@ -22,7 +22,7 @@ from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERR
 from app.weights.safetensors_meta import HeaderError, read_tensors
 
 if TYPE_CHECKING:
-    from app.server.state import AppState
+    from app.engine.adapter import Engine
 
 log = logging.getLogger("tito.weights")
 
@@ -241,7 +241,7 @@ class Inconsistent:
 
 
 class WeightManager:
-    """Serializes weight updates; one per server, on ``AppState.weights``.
+    """Serializes weight updates and holds the served weight version; one per server, on ``AppState.weights``.
 
     An update runs as its own task: a client that disconnects or times out cancels only its wait, never the load,
     and its retry (same key) joins the running task or sees the finished outcome instead of starting a second load.
@@ -250,8 +250,15 @@ class WeightManager:
     paused (it never resumes by itself), aborts the requests it holds, and refuses new work until an update succeeds.
     """
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, engine: Engine, model_dir: str, *, abort: Callable[[], Awaitable[int]],
+                 check_engine: Callable[[], None]) -> None:
+        """``abort()`` aborts every in-flight request (returns how many); ``check_engine()`` raises 503 when the
+        engine is dead."""
+        self.engine = engine
+        self.model_dir = model_dir
+        self._abort = abort
+        self._check_engine = check_engine
+        self.version = "default"  # the weight version being served
         self.lock = asyncio.Lock()
         self.counter = 0
         self.current_key: str | None = None
@@ -269,7 +276,7 @@ class WeightManager:
     async def expected(self) -> dict[str, TensorInfo]:
         """The served model's own tensors (names, shapes, dtypes), read once from its checkpoint headers."""
         if self._expected is None:
-            ck = await asyncio.to_thread(scan_checkpoint, Path(self.state.settings.model))
+            ck = await asyncio.to_thread(scan_checkpoint, Path(self.model_dir))
             self._expected = ck.tensors
         return self._expected
 
@@ -312,7 +319,7 @@ class WeightManager:
         log.error("weights are INCONSISTENT after a failed %s update: %s; generation stays paused until "
                   "/update_weights or /reload_weights succeeds", source, cause)
         try:
-            n = await asyncio.wait_for(self.state.abort(None), 30.0)
+            n = await asyncio.wait_for(self._abort(), 30.0)
             if n:
                 log.warning("aborted %d request(s) held by the paused engine (weights inconsistent)", n)
         except Exception as e:  # noqa: BLE001 - the state is recorded either way
@@ -332,7 +339,7 @@ class WeightManager:
         log.info("weights are consistent again (the failed %s update is superseded)", bad_state.source)
         if bad_state.resume_on_recovery:
             # The failed update had paused the engine itself; nobody else will resume it.
-            await self.state.engine.resume()
+            await self.engine.resume()
 
     # ------------------------------------------------------------------ disk and broadcast updates
 
@@ -368,7 +375,7 @@ class WeightManager:
         ``load`` raises the engine's own exception; a failure whose message lacks ``UNTOUCHED`` may have changed
         the model, so it marks the weights inconsistent and the engine stays paused.
         """
-        eng = self.state.engine
+        eng = self.engine
         t0 = time.monotonic()
         paused_here = False
         touched = False
@@ -387,13 +394,13 @@ class WeightManager:
                 if touched:
                     cause = err.message if err.message.startswith(what) else f"{what}: {err.message}"
                     await self.mark_inconsistent(source, cause, paused_here)
-                self.state.check_engine()
+                self._check_engine()
                 raise err from None
             touched = True
             engine_s = reload_seconds(results)
             log_kept(results)
             await eng.set_weight_version(version)
-            self.state.weight_version = version
+            self.version = version
             # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
             if not await eng.reset_prefix_cache(reset_running_requests=True):
                 log.warning("prefix cache could not be fully reset after the weight update")
@@ -450,9 +457,9 @@ class WeightManager:
             if step == "finish" or (step == "update" and self.native_since is None):
                 self._close_native()
                 if version is not None:
-                    self.state.weight_version = version
+                    self.version = version
                     metrics.WEIGHT_VERSION.info({"version": version})
-                if not await self.state.engine.reset_prefix_cache(reset_running_requests=True):
+                if not await self.engine.reset_prefix_cache(reset_running_requests=True):
                     log.warning("prefix cache could not be fully reset after the weight update")
                 await self._recovered()
                 metrics.WEIGHT_UPDATES.labels("native", "ok").inc()
