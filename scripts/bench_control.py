@@ -26,7 +26,8 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench import MAX_MODEL_LEN, Workload, _kill_group  # noqa: E402
+from bench import MAX_MODEL_LEN, _kill_group  # noqa: E402
+from loadgen import Workload  # noqa: E402
 
 PROBES = ("health", "is_paused", "pause_resume")
 

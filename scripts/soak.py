@@ -42,7 +42,7 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench import GEN_PATH, _Conn  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
+from loadgen import GEN_PATH, _Conn  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
 
 MAX_MODEL_LEN = 512
 

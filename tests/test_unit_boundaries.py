@@ -154,3 +154,9 @@ def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
 
+
+
+def test_no_module_over_500_lines():
+    files = [*(ROOT / "app").rglob("*.py"), *(ROOT / "routers").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(files) if (n := len(p.read_text().splitlines())) > 500]
+    assert long == [], "modules over 500 lines:\n" + "\n".join(long)
