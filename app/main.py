@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.core.metrics import RequestMetrics
+from app.core.metrics import HttpMiddleware, RequestMetrics
 from app.core.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
 from app.core.settings import Settings
 from app.engine.adapter import Engine
@@ -97,17 +97,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.info("engine shut down")
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     """Refuse bodies over the limit with 413 before reading them (Content-Length) or while reading (chunked)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:

@@ -100,22 +100,31 @@ def _bodies(wl: Workload) -> list[bytes]:
     return out
 
 
-def _count_tokens(body: bytes, stream: bool) -> int:
-    """Tokens in a whole answer (JSON, or SSE events ending with [DONE]); raises on an error event or a cut stream."""
+def sse_events(body: bytes) -> tuple[list[Any], bool]:
+    """The JSON events of a whole SSE answer up to ``data: [DONE]``, and whether that came (a cut stream: False)."""
     import orjson
 
-    if not stream:
-        return sum(len(c["token_ids"]) for c in orjson.loads(body)["choices"])
-    got, done = 0, False
+    events = []
     for event in body.split(b"\n\n"):
         line = event.strip()
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            done = True
-            break
-        ev = orjson.loads(payload)
+            return events, True
+        events.append(orjson.loads(payload))
+    return events, False
+
+
+def _count_tokens(body: bytes, stream: bool) -> int:
+    """Tokens in a whole answer (JSON, or SSE events ending with [DONE]); raises on an error event or a cut stream."""
+    import orjson
+
+    if not stream:
+        return sum(len(c["token_ids"]) for c in orjson.loads(body)["choices"])
+    events, done = sse_events(body)
+    got = 0
+    for ev in events:
         if "error" in ev:
             raise RuntimeError(f"error event: {ev['error']}")
         got += sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())

@@ -42,7 +42,7 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from loadgen import GEN_PATH, _Conn  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
+from loadgen import GEN_PATH, _Conn, sse_events  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
 
 MAX_MODEL_LEN = 512
 
@@ -74,16 +74,8 @@ def parse_sse(body: bytes) -> tuple[list[int], str | None, list[dict[str, Any]] 
     finish: str | None = None
     spans: list[dict[str, Any]] | None = None
     errors: list[Any] = []
-    done = False
-    for event in body.split(b"\n\n"):
-        line = event.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            done = True
-            break
-        ev = json.loads(payload)
+    events, done = sse_events(body)
+    for ev in events:
         if "error" in ev:
             errors.append(ev["error"])
             continue

@@ -281,79 +281,69 @@ def cmd_resume(ns: argparse.Namespace) -> int:
     return _one_call(ns, lambda c: c.resume(), lambda out, _: f"resumed: {out}")
 
 
+def _arg(*flags: str, **kw: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """One argument of a command, as ``add_argument`` takes it."""
+    return flags, kw
+
+
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], timeout: float, summary: str,
+             description: str, *args: tuple[tuple[str, ...], dict[str, Any]]) -> None:
+    """One client command: its parser, its own arguments, then the connection flags (``timeout``: its default)."""
+    p = sub.add_parser(name, help=summary, description=description)
+    for flags, kw in args:
+        p.add_argument(*flags, **kw)
+    _add_client_flags(p, timeout=timeout)
+    p.set_defaults(func=func)
+
+
 def add_client_commands(sub: Any) -> None:
-    g = sub.add_parser("generate", help="Generate from token ids and print the new token ids.",
-                       description="POST /inference/v1/generate and print the generated token ids (space-separated "
-                       "on one line; with --logprobs one 'id<TAB>logprob' line per token). Timing goes to stderr.")
-    g.add_argument("--tokens", required=True, help="Prompt token ids, comma-separated, e.g. 1,2,3.")
-    g.add_argument("--max-tokens", type=int, default=16, help="Tokens to generate (default 16).")
-    g.add_argument("--temperature", type=float, default=None, help="Sampling temperature (0 = greedy).")
-    g.add_argument("--top-p", type=float, default=None, help="Nucleus sampling p.")
-    g.add_argument("--top-k", type=int, default=None, help="Top-k sampling (-1 = off).")
-    g.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
-    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past the EOS token.")
-    g.add_argument("--model", default=None, help="Model or LoRA adapter name (default: the base model).")
-    g.add_argument("--stream", action="store_true", help="Stream: print tokens as they arrive.")
-    g.add_argument("--logprobs", action="store_true", help="Also print each token's logprob.")
-    g.add_argument("--top-logprobs", type=int, default=1, help="Candidates per position with --logprobs (default 1).")
-    g.add_argument("--json", action="store_true", help="Print the server's whole JSON answer (not with --stream).")
-    g.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="Image file sent inline as a data URL (repeatable; multimodal models). --tokens then hold "
-                   "one image token per image, e.g. from the chat template.")
-    _add_client_flags(g, timeout=600.0)
-    g.set_defaults(func=cmd_generate)
-
-    s = sub.add_parser("status", help="Summarize a running server (GET /server_info).",
-                       description="Print model, state, weight version, requests in flight and loaded adapters "
-                       "from GET /server_info.")
-    s.add_argument("--json", action="store_true", help="Print the raw JSON instead.")
-    _add_client_flags(s, timeout=30.0)
-    s.set_defaults(func=cmd_status)
-
-    d = sub.add_parser("drain", help="Stop taking new generations and wait for in-flight ones (POST /drain).",
-                       description="POST /drain: the server refuses new generate requests (503) and this waits until "
-                       "the requests in flight finish, showing progress. Exit code 1 if some were still running at "
-                       "the timeout. Undo with `tito undrain`.")
-    d.add_argument("--drain-timeout", type=float, default=None,
-                   help="Seconds the server waits for in-flight requests (default: the server's).")
-    _add_client_flags(d, timeout=900.0)
-    d.set_defaults(func=cmd_drain)
-
-    u = sub.add_parser("undrain", help="Take new generations again (DELETE /drain).",
-                       description="DELETE /drain: leave the draining state.")
-    _add_client_flags(u, timeout=30.0)
-    u.set_defaults(func=cmd_undrain)
-
-    w = sub.add_parser("update-weights", help="Load new weights from a directory (POST /update_weights).",
-                       description="POST /update_weights with DIR (HF safetensors, e.g. a trainer's broadcast step "
-                       "directory). Shows progress and the elapsed time.")
-    w.add_argument("dir", help="Weight directory (sent as an absolute path; must be under an allowed weight root).")
-    w.add_argument("--weight-version", default=None, help="Version label for the new weights.")
-    _add_client_flags(w, timeout=720.0)
-    w.set_defaults(func=cmd_update_weights)
-
-    ll = sub.add_parser("load-lora", help="Load or reload a LoRA adapter (POST /load_lora_adapter).",
-                        description="POST /load_lora_adapter: load the PEFT adapter in DIR under NAME; loading the "
-                        "same NAME again replaces its weights in place. Requests then use it with model=NAME.")
-    ll.add_argument("name", help="Adapter name.")
-    ll.add_argument("dir", help="Adapter directory (adapter_config.json + adapter_model.safetensors).")
-    _add_client_flags(ll, timeout=120.0)
-    ll.set_defaults(func=cmd_load_lora)
-
-    ul = sub.add_parser("unload-lora", help="Unload a LoRA adapter (POST /v1/unload_lora_adapter).",
-                        description="POST /v1/unload_lora_adapter for NAME.")
-    ul.add_argument("name", help="Adapter name.")
-    _add_client_flags(ul, timeout=60.0)
-    ul.set_defaults(func=cmd_unload_lora)
-
-    pa = sub.add_parser("pause", help="Pause generation (POST /pause).",
-                        description="POST /pause: keep parks in-flight requests (they continue on resume), wait lets "
-                        "them finish, abort ends them.")
-    pa.add_argument("--mode", choices=("keep", "wait", "abort"), default="keep", help="Pause mode (default keep).")
-    pa.add_argument("--clear-cache", action="store_true", help="Also clear the prefix cache.")
-    _add_client_flags(pa, timeout=300.0)
-    pa.set_defaults(func=cmd_pause)
-
-    re_ = sub.add_parser("resume", help="Resume generation (POST /resume).", description="POST /resume.")
-    _add_client_flags(re_, timeout=60.0)
-    re_.set_defaults(func=cmd_resume)
+    _command(sub, "generate", cmd_generate, 600.0, "Generate from token ids and print the new token ids.",
+             "POST /inference/v1/generate and print the generated token ids (space-separated on one line; with "
+             "--logprobs one 'id<TAB>logprob' line per token). Timing goes to stderr.",
+             _arg("--tokens", required=True, help="Prompt token ids, comma-separated, e.g. 1,2,3."),
+             _arg("--max-tokens", type=int, default=16, help="Tokens to generate (default 16)."),
+             _arg("--temperature", type=float, default=None, help="Sampling temperature (0 = greedy)."),
+             _arg("--top-p", type=float, default=None, help="Nucleus sampling p."),
+             _arg("--top-k", type=int, default=None, help="Top-k sampling (-1 = off)."),
+             _arg("--seed", type=int, default=None, help="Per-request sampling seed."),
+             _arg("--ignore-eos", action="store_true", help="Keep generating past the EOS token."),
+             _arg("--model", default=None, help="Model or LoRA adapter name (default: the base model)."),
+             _arg("--stream", action="store_true", help="Stream: print tokens as they arrive."),
+             _arg("--logprobs", action="store_true", help="Also print each token's logprob."),
+             _arg("--top-logprobs", type=int, default=1, help="Candidates per position with --logprobs (default 1)."),
+             _arg("--json", action="store_true", help="Print the server's whole JSON answer (not with --stream)."),
+             _arg("--image", action="append", default=None, metavar="PATH",
+                  help="Image file sent inline as a data URL (repeatable; multimodal models). --tokens then hold "
+                  "one image token per image, e.g. from the chat template."))
+    _command(sub, "status", cmd_status, 30.0, "Summarize a running server (GET /server_info).",
+             "Print model, state, weight version, requests in flight and loaded adapters from GET /server_info.",
+             _arg("--json", action="store_true", help="Print the raw JSON instead."))
+    _command(sub, "drain", cmd_drain, 900.0,
+             "Stop taking new generations and wait for in-flight ones (POST /drain).",
+             "POST /drain: the server refuses new generate requests (503) and this waits until the requests in "
+             "flight finish, showing progress. Exit code 1 if some were still running at the timeout. Undo with "
+             "`tito undrain`.",
+             _arg("--drain-timeout", type=float, default=None,
+                  help="Seconds the server waits for in-flight requests (default: the server's)."))
+    _command(sub, "undrain", cmd_undrain, 30.0, "Take new generations again (DELETE /drain).",
+             "DELETE /drain: leave the draining state.")
+    _command(sub, "update-weights", cmd_update_weights, 720.0,
+             "Load new weights from a directory (POST /update_weights).",
+             "POST /update_weights with DIR (HF safetensors, e.g. a trainer's broadcast step directory). Shows "
+             "progress and the elapsed time.",
+             _arg("dir", help="Weight directory (sent as an absolute path; must be under an allowed weight root)."),
+             _arg("--weight-version", default=None, help="Version label for the new weights."))
+    _command(sub, "load-lora", cmd_load_lora, 120.0, "Load or reload a LoRA adapter (POST /load_lora_adapter).",
+             "POST /load_lora_adapter: load the PEFT adapter in DIR under NAME; loading the same NAME again replaces "
+             "its weights in place. Requests then use it with model=NAME.",
+             _arg("name", help="Adapter name."),
+             _arg("dir", help="Adapter directory (adapter_config.json + adapter_model.safetensors)."))
+    _command(sub, "unload-lora", cmd_unload_lora, 60.0, "Unload a LoRA adapter (POST /v1/unload_lora_adapter).",
+             "POST /v1/unload_lora_adapter for NAME.",
+             _arg("name", help="Adapter name."))
+    _command(sub, "pause", cmd_pause, 300.0, "Pause generation (POST /pause).",
+             "POST /pause: keep parks in-flight requests (they continue on resume), wait lets them finish, abort "
+             "ends them.",
+             _arg("--mode", choices=("keep", "wait", "abort"), default="keep", help="Pause mode (default keep)."),
+             _arg("--clear-cache", action="store_true", help="Also clear the prefix cache."))
+    _command(sub, "resume", cmd_resume, 60.0, "Resume generation (POST /resume).", "POST /resume.")

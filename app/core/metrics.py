@@ -79,12 +79,9 @@ class StatusSend:
         await self.send(message)
 
 
-class RequestMetrics:
-    """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
-    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit).
-
-    A request is counted just before the last chunk of its answer is sent, so a client that has its answer and then
-    scrapes ``/metrics`` always finds it counted. A request that ends without an answer is counted as it ends."""
+class HttpMiddleware:
+    """A pure-ASGI middleware's head: HTTP requests go to ``http``, every other scope (lifespan) passes through.
+    Shared by the request counter here, the request log (app/server/reqlog.py) and the body limit (app/main.py)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -93,7 +90,20 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
 
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestMetrics(HttpMiddleware):
+    """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
+    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit).
+
+    A request is counted just before the last chunk of its answer is sent, so a client that has its answer and then
+    scrapes ``/metrics`` always finds it counted. A request that ends without an answer is counted as it ends."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         def count(status: int) -> None:
             REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
             if 400 <= status < 500:

@@ -15,9 +15,9 @@ import time
 import uuid
 from contextvars import ContextVar
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from app.core.metrics import StatusSend
+from app.core.metrics import HttpMiddleware, StatusSend
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("tito_request_id", default=None)
 SCOPE_KEY = "tito.request_id"
@@ -47,16 +47,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class RequestLog:
+class RequestLog(HttpMiddleware):
     """Pure-ASGI middleware: after each request, ``METHOD /path STATUS 12.3ms`` at info, with its request id."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = _header(scope, b"x-request-id") or uuid.uuid4().hex
         token = REQUEST_ID.set(rid)
         watched = StatusSend(send, 0)
