@@ -120,6 +120,12 @@ def test_every_package_keeps_its_import_rules():
     assert broken == [], "\n".join(broken)
 
 
+def test_app_top_level_holds_only_the_entry_points():
+    """New code goes into the package of its concern: at the top of app/ only what puts the packages together."""
+    top = sorted(p.name for p in (ROOT / "app").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "cli.py", "main.py"], top
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     """One import cycle as [a, b, ..., a], or [] when there is none."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
