@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from app.core.multimodal import MultimodalPrompt, multimodal_prompt
@@ -27,7 +26,7 @@ from app.core.protocol import (
     GenerateRequest,
     GenerateResponse,
     bad_request,
-    validation_error,
+    parse_json_body,
 )
 from app.engine.sampling import build_sampling_params, check_prompt
 from app.server.reqlog import set_request_id
@@ -142,12 +141,7 @@ async def _parse(request: Request, state: AppState) -> GenerateRequest:
     if len(body) > state.settings.max_body_bytes:
         raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of "
                             f"{state.settings.max_body_bytes} bytes.")
-    try:
-        return GenerateRequest.model_validate_json(body)
-    except ValidationError as e:
-        if any(err["type"] == "json_invalid" for err in e.errors()):
-            raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
-        raise validation_error(e) from None
+    return parse_json_body(GenerateRequest, body)
 
 
 @router.post("/inference/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES,

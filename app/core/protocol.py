@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -83,6 +83,20 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 def validation_error(exc: ValidationError, prefix: str = "body") -> ApiError:
     """Pydantic errors → 400 as vLLM words them: type "Bad Request", param = the first bad location."""
     return errors_to_api_error(exc.errors(include_url=False, include_input=False), (prefix,))
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json_body(model: type[M], raw: bytes) -> M:
+    """``model`` parsed straight from a raw JSON body: not JSON at all -> 400 naming the body, a bad field -> 400
+    naming the field, as vLLM words both."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
+        raise validation_error(e) from None
 
 
 def errors_to_api_error(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> ApiError:
