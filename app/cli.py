@@ -72,7 +72,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     if settings.dynamo_namespace:
-        from app.dynamo.sidecar import start_sidecar
+        from app.dynamo.adapter import start_sidecar
 
         with start_sidecar(settings):  # the Dynamo adapter beside the server; stopped when the server exits
             return serve(app, settings.host, settings.port)
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     from app.client.commands import add_client_commands
 
     add_client_commands(sub)
-    from app.dynamo.sidecar import add_dynamo_command
+    from app.dynamo.adapter import add_dynamo_command
 
     add_dynamo_command(sub)
     return p

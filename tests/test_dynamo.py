@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.dynamo.sidecar import dynamo_available
+from app.dynamo.adapter import dynamo_available
 from app.tiny.model import make_tiny_model
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, engine_env, free_port

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.dynamo.sidecar import dynamo_available
+from app.dynamo.adapter import dynamo_available
 from tests.helpers import TIMING, ServerProcess, engine_env, free_port, metric_value, tito_cmd
 from tests.test_dynamo import wait_for  # the same polling helper
 
