@@ -13,13 +13,14 @@ BENCH_ARGS  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve test lint unit bench install model clean help
+.PHONY: serve test lint unit bench install model clean help trainers
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
 	@echo "make lint    - ruff + mypy"
 	@echo "make unit    - the fast tests only (no engine)"
+	@echo "make trainers - the venv of SkyRL's clients (TRAINERS_VENV=$(TRAINERS_VENV)) for tests/test_trainers.py"
 	@echo "make bench   - benchmark tito vs the engine in-process vs vLLM's own server (BENCH_ARGS=...), into results/"
 
 $(BIN)/python:
@@ -38,6 +39,22 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 	-$(BIN)/pip uninstall -y -q $(CUDA_ONLY)
 	touch $@
 
+# SkyRL 0.4's clients, for tests/test_trainers.py: SkyRL needs Python >= 3.12 (its pydantic models refuse 3.11), so
+# they get a venv of their own. No CPU torch wheel exists for 3.12 here, so pip takes PyPI's (CUDA) build: ~5 GB,
+# 3 to 19 minutes (measured; the network and the disk dominate), once per machine: the venv lives outside the checkout
+# so every clone (CI's too) reuses it. The tests skip SkyRL's checks when this venv is missing.
+TRAINERS_VENV   ?= $(HOME)/.cache/tito/venv-trainers
+TRAINERS_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+export TITO_TRAINERS_VENV := $(abspath $(TRAINERS_VENV))
+
+$(TRAINERS_VENV)/.installed:
+	mkdir -p $(dir $(TRAINERS_VENV))
+	$(TRAINERS_PYTHON) -m venv $(TRAINERS_VENV)
+	$(TRAINERS_VENV)/bin/pip install -q torch==2.13.0 skyrl==0.4.0 loguru aiohttp orjson pybase64 requests
+	touch $@
+
+trainers: $(TRAINERS_VENV)/.installed
+
 install: $(VENV)/.installed-cpu
 
 $(MODEL)/config.json: | $(VENV)/.installed-cpu
@@ -55,7 +72,7 @@ lint: $(VENV)/.installed-test
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
-test: $(VENV)/.installed-test $(MODEL)/config.json lint
+test: $(VENV)/.installed-test $(TRAINERS_VENV)/.installed $(MODEL)/config.json lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean

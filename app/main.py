@@ -203,11 +203,14 @@ def _add_schemas(app: FastAPI) -> None:
             return app.openapi_schema
         schema = original()
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (GenerateRequest,):
-            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        from app.engine.openai_layer import request_schemas  # vLLM's request models of routers/openai.py
+
+        models = {GenerateRequest.__name__: GenerateRequest.model_json_schema(
+            ref_template="#/components/schemas/{model}"), **request_schemas()}
+        for model_name, js in models.items():
             for name, sub in js.pop("$defs", {}).items():
                 comps.setdefault(name, sub)
-            comps[model.__name__] = js
+            comps[model_name] = js
         app.openapi_schema = schema
         return schema
 

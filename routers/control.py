@@ -1,4 +1,5 @@
-"""Generation control for RL trainers: ``POST /pause``, ``POST /resume``, ``GET /is_paused`` (vLLM's routes and shapes).
+"""Generation control for RL trainers: ``POST /pause``, ``POST /resume``, ``GET /is_paused``, ``POST
+/reset_prefix_cache`` (vLLM's routes and shapes).
 
 Pause, resume and weight updates run one at a time in arrival order (``app/server/control.py`` says what concurrent
 calls do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
@@ -9,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Query
+import orjson
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
 from app.core import metrics
@@ -68,3 +70,35 @@ async def is_paused(state: AppState = Depends(get_state)) -> Response:
     paused = await state.engine.is_paused()
     metrics.PAUSED.set(1 if paused else 0)
     return json_response({"is_paused": paused})
+
+
+@router.post("/reset_prefix_cache", responses=ERROR_RESPONSES,
+             summary="Reset the prefix cache (vLLM's route: {\"success\": bool}; false while blocks are held)")
+async def reset_prefix_cache(request: Request,
+                             reset_running_requests: bool | None = Query(None, description="Also evict the KV of "
+                                                                         "running requests (they recompute it)."),
+                             reset_external: bool | None = Query(None, description="Also the KV connector's cache."),
+                             timeout: float = Query(60.0, gt=0, description="Seconds to wait for a running weight "
+                                                                            "update and earlier control calls."),
+                             state: AppState = Depends(get_state)) -> Response:
+    # vLLM reads the query only; SkyRL sends {"reset_running_requests": ...} as a JSON body, so that is read too
+    # (the query wins).
+    body = await request.body()
+    sent: dict[str, object] = {}
+    if body.strip():
+        try:
+            sent = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "request body is not valid JSON.", param="body") from None
+        if not isinstance(sent, dict):
+            raise ApiError(400, "request body must be a JSON object.", param="body")
+    flags = {}
+    for name, given in (("reset_running_requests", reset_running_requests), ("reset_external", reset_external)):
+        value = given if given is not None else sent.get(name, False)
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be a boolean.", param=name)
+        flags[name] = value
+    state.check_engine()
+    ok = await state.control.reset_prefix_cache(flags["reset_running_requests"], flags["reset_external"], timeout)
+    log.info("prefix cache reset (reset_running_requests=%s): %s", flags["reset_running_requests"], ok)
+    return json_response({"success": ok})

@@ -26,6 +26,7 @@ from app.core.protocol import (
     GenerateRequest,
     GenerateResponse,
     bad_request,
+    header_value,
     parse_json_body,
 )
 from app.engine.sampling import build_sampling_params, check_prompt
@@ -198,7 +199,7 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         "output_mode": "tokens",
         "choices": [_choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
     }
-    return Response(orjson.dumps(body), media_type=_JSON, headers={"X-Engine-Request-Id": engine_id})
+    return Response(orjson.dumps(body), media_type=_JSON, headers={"X-Engine-Request-Id": header_value(engine_id)})
 
 
 async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOutput], request_id: str,
@@ -364,7 +365,7 @@ class _SseResponse(StreamingResponse):
     def __init__(self, stream: _Stream) -> None:
         super().__init__(stream.events(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                  "X-Engine-Request-Id": stream.engine_id})
+                                  "X-Engine-Request-Id": header_value(stream.engine_id)})
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -7,9 +7,9 @@ import logging
 import os
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
@@ -106,8 +106,10 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "max_logprobs": f.max_logprobs,
             "kv_block_size": f.kv_block_size,
             "num_kv_blocks": f.num_kv_blocks,
-            # Tokenizer files beside the weights: tito never loads them (tokens only), a text frontend may.
+            # Tokenizer files beside the weights (a text frontend may use them) / the engine loaded them (the text
+            # routes work: /v1/chat/completions, /tokenize, text prompts).
             "has_tokenizer": has_tokenizer(f.path),
+            "tokenizer_loaded": f.tokenizer,
         },
         "parallelism": {
             "tensor_parallel_size": f.tensor_parallel_size,
@@ -150,6 +152,12 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
     }
 
 
-@router.get("/server_info", summary="What this server is: model, limits, parallelism, features, state, routes")
-async def server_info(request: Request, state: AppState = Depends(get_state)) -> Response:
-    return json_response(await server_info_body(state, request))
+@router.get("/server_info", summary="What this server is: model, limits, parallelism, features, state, routes; "
+                                    "and vLLM's vllm_config / vllm_env")
+async def server_info(request: Request, config_format: Literal["text", "json"] = Query(
+                          "text", description="vllm_config as vLLM's text, or its JSON tree (what TRL reads)."),
+                      state: AppState = Depends(get_state)) -> Response:
+    body = await server_info_body(state, request)
+    # vLLM's own keys beside tito's, so clients that read a vLLM server's config (TRL) parse this one.
+    body.update(state.engine.vllm_server_info(config_format))
+    return json_response(body)

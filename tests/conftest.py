@@ -7,9 +7,10 @@
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
 - ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
   (started when first asked for).
-- ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs and small
-  request caps: the end-to-end server of test_client.py and test_security.py (started when first asked for). Each
-  module using it restores it at its end (``restore_server`` with the admin key).
+- ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
+  request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
+  and test_security.py (started when first asked for). Each module using it restores it at its end (``restore_server``
+  with the admin key).
 
 Modules whose flags change what every test there observes (an admin key without a data key, other small caps, data
 parallel, KV-cache size, another model) and tests that end their server keep their own.
@@ -200,8 +201,10 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     def keyed() -> ServerProcess:
         # Both keys from the environment, as a deployment would pass them; LoRA; JSON request logs; small request caps
         # (test_security.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between its
-        # users, and the default 1 GiB cache would be held for nothing.
-        return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--log-requests",
+        # users, and the default 1 GiB cache would be held for nothing. Tokens only (--skip-tokenizer-init): the
+        # suite's tokens-only engine (test_openai.py checks its text routes refuse, its token-id completions work).
+        return start_tito(tmp_path_factory, tiny_model, "--skip-tokenizer-init", "--enable-lora", "--max-lora-rank",
+                          "8", "--log-requests",
                           "--log-format", "json", "--max-model-len", str(KEYED_MAX_MODEL_LEN), "--num-kv-blocks", "16",
                           "--max-num-seqs", "4",
                           "--max-logprobs", "5", "--max-stop-token-ids", "4", "--max-logit-bias", "2",

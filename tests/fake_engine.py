@@ -133,7 +133,7 @@ class FakeEngine:
     async def is_paused(self) -> bool:
         return self.paused
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
         self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True
 
@@ -215,3 +215,14 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+    # ------------------------------------------------------------------ vLLM's OpenAI layer (tests/fake_openai.py)
+
+    def openai_layer(self, loras: Any, media: Any) -> Any:
+        from tests.fake_openai import FakeOpenAILayer
+
+        return FakeOpenAILayer(self)
+
+    def vllm_server_info(self, config_format: str) -> dict[str, Any]:
+        cfg = {"model_config": {"dtype": "torch.float32"}, "weight_transfer_config": None}
+        return {"vllm_config": cfg if config_format == "json" else repr(cfg), "vllm_env": {}}

@@ -30,6 +30,8 @@ ADMIN_KEY = "fuzz-admin-key-6b1e"
 EXAMPLES = 40
 GENERATE = "/inference/v1/generate"
 GENERATE_EXAMPLES = 200
+# vLLM's completions route (its own handler, behind tito's checks): prompt ids folded into the vocabulary too.
+FOLDED = {"/v1/completions": 60}
 # Never fuzzed with the admin key: the body names a host the server's workers would connect to.
 NETWORK_ROUTES = {"/init_broadcaster"}
 # State the admin pass may change; put back after every such call so later cases (and generate) are served.
@@ -76,20 +78,32 @@ def _run(schema: Any, base_url: str, results: dict[str, Any], headers: dict[str,
             results["seconds"][f"{op.method.upper()} {op.path}"] += time.monotonic() - t0
 
 
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
 def _in_vocab(case: Any) -> Any:
     """Fold generated prompt ids into the tiny model's vocabulary (512), so the engine, not only the id check,
-    meets the generated sampling parameters."""
+    meets the generated sampling parameters (the token API's ``token_ids``; /v1/completions' ``prompt``, one list
+    of ids or several)."""
     body = case.body
-    if isinstance(body, dict) and isinstance(body.get("token_ids"), list) and body["token_ids"] \
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in body["token_ids"]):
+    if not isinstance(body, dict):
+        return case
+    if _ids(body.get("token_ids")):
         body["token_ids"] = [abs(t) % 512 for t in body["token_ids"][:48]]
+    prompt = body.get("prompt")
+    if _ids(prompt):
+        body["prompt"] = [abs(t) % 512 for t in prompt[:48]]
+    elif isinstance(prompt, list) and prompt and all(_ids(p) for p in prompt):
+        body["prompt"] = [[abs(t) % 512 for t in p[:48]] for p in prompt[:4]]
     return case
 
 
 # Several admin routes parse their JSON body themselves and publish no body schema; they get JSON objects built from
 # the keys any of them reads, with values of every JSON type, so their own validation is fuzzed as well.
 BODY_KEYS = ("weight_dir", "weight_version", "timeout", "update_info", "init_info", "new_version", "request_ids",
-             "lora_name", "lora_path", "load_inplace", "mode")
+             "lora_name", "lora_path", "load_inplace", "mode", "reset_running_requests", "reset_external")
 # Finite floats only: the HTTP client itself cannot encode NaN/Infinity as JSON (raw non-finite bodies are sent in
 # tests/test_security.py).
 _SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
@@ -140,6 +154,9 @@ def _fuzz_one(op: Any, session: requests.Session, base_url: str, results: dict[s
     if op.path == GENERATE:
         strategy = st.one_of(positive, negative, positive.map(_in_vocab))
         examples = GENERATE_EXAMPLES
+    elif op.path in FOLDED:
+        strategy = st.one_of(positive, negative, positive.map(_in_vocab))
+        examples = FOLDED[op.path]
 
     @given(case=strategy)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,

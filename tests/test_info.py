@@ -6,10 +6,13 @@ import time
 
 import httpx
 
-SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "routes"}
+# tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
+SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "routes", "vllm_config",
+            "vllm_env"}
 KEYS = {
     "server": {"name", "version", "vllm_version", "pid", "host", "port", "started_at", "started_at_unix", "uptime_s"},
-    "model": {"served_model_name", "path", "dtype", "max_model_len", "vocab_size", "max_num_seqs", "max_logprobs"},
+    "model": {"served_model_name", "path", "dtype", "max_model_len", "vocab_size", "max_num_seqs", "max_logprobs",
+              "has_tokenizer", "tokenizer_loaded"},
     "parallelism": {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "world_size",
                     "data_parallel_rank_start", "data_parallel_rank_end"},
     "features": {"lora", "max_loras", "max_lora_rank", "routed_experts", "prefix_caching", "priority_scheduling"},

@@ -392,6 +392,31 @@ def test_request_refusals(lc, lora_server, w1, work, tmp_path_factory) -> None:
     assert errors is not None and errors >= 1
 
 
+def test_openai_routes_pick_the_adapter_by_model(lc, w1, ref1, work) -> None:
+    """/v1/completions and /v1/chat/completions select an adapter by ``model`` exactly as the token API does (vLLM's
+    handlers see tito's registry); an unknown name is vLLM's 404."""
+    assert load(lc, "openai-r8", write_adapter(work / "openai-r8", w1)).status_code == 200
+    try:
+        prompt = PROMPTS[1]
+        want = greedy(lc, prompt, "openai-r8")
+        assert_matches(want, ref1, prompt)
+        r = lc.post("/v1/completions", json={"model": "openai-r8", "prompt": prompt, "max_tokens": N, "temperature": 0,
+                                             "logprobs": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert r.json()["model"] == "openai-r8" and choice["token_ids"] == want[0]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want[1], abs=1e-4)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                "return_token_ids": True}
+        ids = lc.post("/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+        r = lc.post("/v1/chat/completions", json={**chat, "model": "openai-r8"})
+        assert r.json()["choices"][0]["token_ids"] == greedy(lc, ids, "openai-r8", 4)[0]
+        r = lc.post("/v1/completions", json={"model": "never-loaded", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    finally:
+        unload(lc, "openai-r8")
+
+
 def test_lora_disabled_is_a_clear_400(client) -> None:
     """The shared server runs without --enable-lora: every LoRA call is refused, nothing changes."""
     for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):

@@ -140,3 +140,40 @@ def test_models_card_same_shape_as_vllm(tito_url: str, vllm_url: str) -> None:
     assert ours["data"][0]["max_model_len"] == theirs["data"][0]["max_model_len"] == 512
     assert ours["data"][0]["id"] == theirs["data"][0]["id"]
     assert set(theirs["data"][0]) <= set(ours["data"][0])
+
+
+# vLLM's OpenAI routes (served by vLLM's own handlers in tito): the same answer as vLLM's server, but for the keys
+# tito adds (weight_versions on finished choices, cached-token counts) and the text (vLLM's reference runs
+# --tokens-only, tito loads the model's tokenizer: both strings).
+COMPLETIONS = [
+    ("batch n2 seeded", {"prompt": [[1, 2, 3, 4, 5], [9, 10]], "n": 2, "max_tokens": 5, "temperature": 0.9, "seed": 4,
+                         "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}),
+    ("greedy prompt logprobs", {"prompt": [20, 21, 22, 23], "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1,
+                                "return_token_ids": True}),
+]
+
+
+@pytest.mark.parametrize("name,body", COMPLETIONS, ids=[b[0] for b in COMPLETIONS])
+def test_completions_same_answer_as_vllm(tito_url: str, vllm_url: str, name: str, body: dict) -> None:
+    ours = httpx.post(tito_url + "/v1/completions", json=body, timeout=60).json()
+    theirs = httpx.post(vllm_url + "/v1/completions", json=body, timeout=60).json()
+    for c in ours["choices"]:
+        assert c.pop("weight_versions")[0]["version"] == "default"
+    ours["usage"].pop("prompt_tokens_details")
+    theirs["usage"].pop("prompt_tokens_details", None)
+    # prompt_logprobs' decoded_token: null from a server without a tokenizer, the token's text from tito's.
+    plps = [(a.pop("prompt_logprobs"), b.pop("prompt_logprobs")) for a, b in zip(ours["choices"], theirs["choices"],
+                                                                                 strict=True)]
+    assert _diff(ours, theirs) == []
+    for (a, b), (pa, pb) in zip(zip(ours["choices"], theirs["choices"], strict=True), plps, strict=True):
+        a["prompt_logprobs"], b["prompt_logprobs"] = pa, pb
+        assert a["token_ids"] == b["token_ids"] and a["prompt_token_ids"] == b["prompt_token_ids"]
+        assert a["finish_reason"] == b["finish_reason"]
+        if b["logprobs"] is not None:
+            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+            assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-4)
+        if b["prompt_logprobs"] is not None:
+            assert [None if x is None else {k: v["logprob"] for k, v in x.items()} for x in a["prompt_logprobs"]] == [
+                None if y is None else pytest.approx({k: v["logprob"] for k, v in y.items()}, abs=1e-4)
+                for y in b["prompt_logprobs"]]
+    assert ours["usage"] == theirs["usage"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -57,6 +58,12 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return json_response(self.body(), self.status, self.headers)
+
+
+def header_value(text: str) -> str:
+    """``text`` as an HTTP header value: as it is when printable ASCII (every id tito makes from an ASCII client id),
+    else percent-encoded. A client's id may hold any character; a header cannot (Starlette raised on it: a 500)."""
+    return text if text.isascii() and text.isprintable() else quote(text, safe="")
 
 
 def status_phrase(status: int) -> str:

@@ -72,6 +72,9 @@ class Settings:
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
     stream_interval: int = flag(1, "Tokens per streamed event (vLLM's stream_interval): 1 sends every engine step's "
                                 "tokens at once; N > 1 fewer, larger events (the first and last still at once).")
+    skip_tokenizer_init: bool | None = flag(
+        None, "Serve tokens only: do not load the model directory's tokenizer (default: loaded when the directory "
+        "has one; the text routes, /v1/chat/completions, /tokenize and text prompts, then answer 400).")
     warmup: bool = flag(True, "Run one real generation before reporting ready.")
     weight_transfer_backend: str | None = flag(
         None, "vLLM weight-transfer backend for /init_weight_transfer_engine (nccl, ipc, ...; all need a GPU).")

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,16 @@ def has_tokenizer(model_dir: str) -> bool:
     """Whether the model directory carries a tokenizer (Dynamo's text frontends need one)."""
     return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                       "tokenizer.model", "vocab.json"))
+
+
+def loads_tokenizer(settings: Settings) -> bool:
+    """Whether the engine loads the model directory's tokenizer: when the directory ships one, unless
+    ``--skip-tokenizer-init``. Only the text routes use it (/v1/completions with text, chat, tokenize, detokenized
+    output); the token API never detokenizes (its requests carry ``detokenize=False``, so vLLM's output processor
+    skips the tokenizer for them) and keeps its cost with or without one."""
+    if settings.skip_tokenizer_init is not None:
+        return not settings.skip_tokenizer_init
+    return has_tokenizer(settings.model)
 
 
 def on_cpu() -> bool:
@@ -106,8 +116,7 @@ def engine_args(settings: Settings) -> Any:
         scheduling_policy=settings.scheduling_policy,
         max_logprobs=settings.max_logprobs,
         stream_interval=settings.stream_interval,
-        # tito is a token server: it never detokenizes, so it loads no tokenizer.
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not loads_tokenizer(settings),
         disable_log_stats=False,
         enable_lora=settings.enable_lora,
         worker_extension_cls="app.engine.worker.TitoWorkerExtension",
@@ -127,7 +136,7 @@ def engine_args(settings: Settings) -> Any:
         kw["block_size"] = settings.block_size
     if settings.kv_events_port is not None:
         kw["kv_events_config"] = kv_events_config(settings.kv_events_port, settings.data_parallel_size)
-    if has_tokenizer(settings.model) and ships_processor(settings.model):
+    if loads_tokenizer(settings) and ships_processor(settings.model):
         # Multimodal: the processor needs the tokenizer (app/engine/multimodal.py).
         kw.update(mm_engine_kwargs(settings))
     kw.update(settings.extra)
@@ -174,6 +183,7 @@ class ModelFacts:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     multimodal: bool = False  # takes content_parts / features (a multimodal model with its processor loaded)
+    tokenizer: bool = False  # the engine loaded the model's tokenizer: text routes work (see loads_tokenizer)
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -213,7 +223,8 @@ class Engine:
             eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
             pad_token_id=_int_or_none(getattr(hf, "pad_token_id", None)),
             bos_token_id=_int_or_none(getattr(hf, "bos_token_id", None)),
-            multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init),
+            multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init and ships_processor(settings.model)),
+            tokenizer=not mc.skip_tokenizer_init,
         )
         self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
 
@@ -285,8 +296,9 @@ class Engine:
                              timeout: float | None = None) -> list[Any]:
         return list(await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
+        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests,
+                                                      reset_connector=reset_external))
 
     # ------------------------------------------------------------------ LoRA (orchestration: app/weights/lora.py)
 
@@ -380,6 +392,23 @@ class Engine:
             if stats is not None:
                 return int(stats.num_running_reqs), int(stats.num_waiting_reqs), float(stats.kv_cache_usage)
         return None
+
+    # ----------------------------------------------------------- vLLM's OpenAI layer (app/engine/openai_layer.py)
+
+    def openai_layer(self, loras: Callable[[], dict[str, Any]], media: Any) -> Any:
+        """vLLM's completion/chat/tokenize handlers on this engine, gated by tito (``OpenAILayer``); ``loras``: the
+        adapters by name (their ``lora_request`` handles). Built once, on first use (vLLM's serving modules take
+        seconds to import)."""
+        from app.engine.openai_layer import OpenAILayer
+
+        names = list(dict.fromkeys([self.facts.name, self.facts.path]))
+        return OpenAILayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
+
+    def vllm_server_info(self, config_format: str) -> dict[str, Any]:
+        """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""
+        from app.engine.openai_layer import vllm_server_info
+
+        return vllm_server_info(self.llm, config_format)
 
     # ------------------------------------------------------------------ health
 

@@ -38,6 +38,8 @@ def configured_limits(limits: Limits, settings: Settings) -> Limits:
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Where the text features live (routers/openai.py): vLLM's own routes, on a server with the model's tokenizer.
+_TEXT_ROUTE = "/v1/completions or /v1/chat/completions on a server with the model's tokenizer"
 
 # Keys copied as-is into SamplingParams when the client sent them.
 _PASSTHROUGH = (
@@ -84,20 +86,20 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
     sp = "sampling_params."
 
     if wire.stop:
-        raise bad_request("stop strings need detokenization, which this tokens-only server does not do; "
-                          "use stop_token_ids.", sp + "stop")
+        raise bad_request("stop strings need detokenization, which the token API does not do (it answers token "
+                          f"ids only): use stop_token_ids, or {_TEXT_ROUTE}.", sp + "stop")
     if wire.bad_words:
-        raise bad_request("bad_words needs a tokenizer, which this tokens-only server does not load.",
+        raise bad_request(f"bad_words needs a tokenizer, which the token API does not use: {_TEXT_ROUTE}.",
                           sp + "bad_words")
     if wire.structured_outputs:
-        raise bad_request("structured_outputs needs a tokenizer, which this tokens-only server does not load.",
+        raise bad_request(f"structured_outputs needs a tokenizer, which the token API does not use: {_TEXT_ROUTE}.",
                           sp + "structured_outputs")
     if wire.detokenize:
         # A tokens-only server cannot detokenize; vLLM's --tokens-only forces it off the same way.
         pass
     if req.output_mode != "tokens":
-        raise bad_request("output_mode='text' requires a tokenizer, but this server serves tokens only "
-                          "(no tokenizer loaded); use output_mode='tokens'.", "output_mode")
+        raise bad_request("output_mode='text' is not served by the token API (it answers token ids only, never "
+                          f"detokenizing); use output_mode='tokens', or {_TEXT_ROUTE}.", "output_mode")
 
     n = wire.n if wire.n is not None else 1
     if n < 1:

@@ -180,6 +180,19 @@ class ControlPlane:
         await self.after_update(wait)
         await self.run("resume", do, wait)
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool, wait: float) -> bool:
+        """vLLM's ``/reset_prefix_cache`` as a transition: after a running weight update (which resets the cache
+        itself) and earlier control calls, never between an update's load and its own reset."""
+        async def do() -> bool:
+            try:
+                return await asyncio.wait_for(self.engine.reset_prefix_cache(reset_running_requests,
+                                                                             reset_external),
+                                              ENGINE_CALL_TIMEOUT_S)
+            except TimeoutError:
+                raise ApiError(504, f"reset_prefix_cache did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
+
+        await self.after_update(wait)
+        return await self.run("reset_prefix_cache", do, wait)
 
     def _paused(self, mode: str | None) -> None:
         self.paused_mode = mode

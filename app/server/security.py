@@ -5,7 +5,7 @@ Every request path falls in one of three planes, with **default deny**: a route 
 - open: ``/health``, ``/liveness``, ``/ready``, ``/version``, the OpenAPI docs, and ``/metrics`` (unless
   ``--protect-metrics``, which moves it to the data plane);
 - data: ``/inference/*`` and ``/v1/*`` (generation, model list), except the LoRA load/unload and abort routes
-  that sit under those prefixes;
+  that sit under those prefixes, and vLLM's ``/tokenize`` and ``/detokenize``;
 - admin: everything else (pause, resume, weights, broadcaster, LoRA, drain, abort-all, sleep, ...).
 
 Keys: ``--api-key`` guards the data plane, ``--admin-api-key`` the admin plane. A key of ``EMPTY`` (what Prime-RL
@@ -41,6 +41,8 @@ DATA_PREFIXES = ("/inference/", "/v1/")
 # server paths.
 ADMIN_IN_DATA = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/lora_adapters",
                            "/inference/v1/abort_requests"})
+# vLLM's (de)tokenize routes sit at the root but are data plane: clients send text, no server state changes.
+DATA_PATHS = frozenset({"/tokenize", "/detokenize"})
 NO_KEY = ("", "EMPTY")
 
 
@@ -58,7 +60,7 @@ def classify(path: str, protect_metrics: bool = False) -> Plane:
         return Plane.DATA if protect_metrics else Plane.OPEN
     # Starlette routes on this same decoded path and does not collapse "/v1/../pause", so a path that starts with
     # a data prefix can only reach a route declared under that prefix.
-    if path.startswith(DATA_PREFIXES) and path.rstrip("/") not in ADMIN_IN_DATA:
+    if path in DATA_PATHS or path.startswith(DATA_PREFIXES) and path.rstrip("/") not in ADMIN_IN_DATA:
         return Plane.DATA
     return Plane.ADMIN
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from app.core.metrics import DRAINING, INFLIGHT
+from app.core.multimodal import MediaPolicy
 from app.core.protocol import ApiError
 from app.core.settings import Settings
 from app.engine.adapter import Engine, EngineDead, EngineRejected, ModelFacts
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
 GENERATE_PREFIX = "generate-tokens-"
+# The prefixes of the ids clients see (the token API's, vLLM's completion and chat ids): a bare client id names all.
+CLIENT_PREFIXES = (GENERATE_PREFIX, "cmpl-", "chatcmpl-")
 log = logging.getLogger("tito")
 
 
@@ -50,6 +53,8 @@ class AppState:
     drain_started_at: float | None = None
     finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _openai: Any = None  # vLLM's OpenAI layer over the engine, built on first use (openai_layer)
+    _openai_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         f = self.engine.facts
@@ -150,10 +155,11 @@ class AppState:
 
     # ------------------------------------------------------------------ in-flight requests
 
-    def enter(self, request_id: str) -> str:
-        """Count a request in flight under the id the client sees; returns its own, unique engine request id."""
+    def enter(self, request_id: str, engine_base: str | None = None) -> str:
+        """Count a request in flight under the id the client sees; returns its own, unique engine request id (made
+        from ``engine_base``, default the client's id: an OpenAI call's prompts are ``cmpl-<id>-<i>``)."""
         self._seq += 1
-        engine_id = f"{request_id}-{self._seq:x}"
+        engine_id = f"{engine_base or request_id}-{self._seq:x}"
         self.live[engine_id] = request_id
         self.by_client.setdefault(request_id, set()).add(engine_id)
         self.inflight += 1
@@ -193,7 +199,7 @@ class AppState:
         for rid in ids:
             if rid in self.live:
                 out[rid] = None
-            for cand in (rid, GENERATE_PREFIX + rid):
+            for cand in (rid, *(prefix + rid for prefix in CLIENT_PREFIXES)):
                 for eid in sorted(self.by_client.get(cand, ())):
                     out[eid] = None
         return list(out)
@@ -232,6 +238,17 @@ class AppState:
             self.shutting_down = True
             self.ready = False
             DRAINING.set(1)
+
+    async def openai_layer(self) -> Any:
+        """The engine adapter's OpenAI layer (app/engine/openai_layer.py), built once in a thread on first use: vLLM's
+        serving modules take seconds to import, which neither start-up nor the event loop should pay."""
+        async with self._openai_lock:
+            if self._openai is None:
+                loras = self.adapters.entries
+                self._openai = await asyncio.to_thread(
+                    self.engine.openai_layer, lambda: {n: e.handle for n, e in loras.items()},
+                    MediaPolicy.from_settings(self.settings))
+        return self._openai
 
     # ------------------------------------------------------------------ models
 

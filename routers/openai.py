@@ -1,0 +1,161 @@
+"""vLLM's OpenAI routes: ``POST /v1/completions``, ``/v1/chat/completions`` (+ ``/render``), ``/tokenize``,
+``/detokenize``, served by vLLM's own handlers (through the engine adapter, app/engine/openai_layer.py) behind tito's
+admission, body limits, validation and in-flight accounting, as the token API.
+
+Token-id prompts work on every server; text prompts, chat and (de)tokenization need the model's tokenizer (400
+otherwise). Not the RL hot path (that is /inference/v1/generate): answers are vLLM's models, dumped as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response, StreamingResponse
+
+from app.core.protocol import ERROR_RESPONSES, ApiError, header_value
+from app.engine.openai_layer import Answer, Gate
+from app.server.reqlog import set_request_id
+from app.server.state import AppState, get_state
+from routers.generate import _dp_rank
+
+log = logging.getLogger("tito.openai")
+router = APIRouter(tags=["openai"])
+
+_JSON = "application/json"
+
+
+def _body_schema(name: str) -> dict[str, Any]:
+    # The handlers parse their bodies themselves (vLLM's models, from bytes); the schema says what they take.
+    return {"requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+async def _body(request: Request, state: AppState) -> bytes:
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != _JSON:
+        raise ApiError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}.")
+    body = await request.body()
+    if len(body) > state.settings.max_body_bytes:
+        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of "
+                            f"{state.settings.max_body_bytes} bytes.")
+    return body
+
+
+def _gate(request: Request, state: AppState) -> Gate:
+    return Gate(limits=state.limits, enter=state.enter, leave=state.leave,
+                name=lambda rid: set_request_id(request.scope, rid),
+                priority_scheduling=state.facts.priority_scheduling)
+
+
+def _json(answer: Answer) -> Response:
+    headers = {"X-Engine-Request-Id": header_value(",".join(answer.engine_ids))} if answer.engine_ids else None
+    # vLLM dumps prompt_logprobs with integer keys (its JSON encoder makes them strings; so does OPT_NON_STR_KEYS).
+    return Response(orjson.dumps(answer.body, option=orjson.OPT_NON_STR_KEYS), status_code=answer.status,
+                    media_type=_JSON, headers=headers)
+
+
+class _Sse(StreamingResponse):
+    """Starlette's stream (it cancels the body when the client leaves; the adapter's stream then aborts the engine
+    requests), plus the release of in-flight slots whose generation never started."""
+
+    def __init__(self, answer: Answer) -> None:
+        assert answer.stream is not None
+        super().__init__(answer.stream, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  "X-Engine-Request-Id": header_value(",".join(answer.engine_ids))})
+        self._close = answer.close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._close()
+
+
+async def _generate(request: Request, state: AppState, kind: str) -> Response:
+    body = await _body(request, state)
+    state.admit()
+    _dp_rank(request, state.facts.data_parallel_size)  # vLLM ignores a bad header; tito answers 400
+    layer = await state.openai_layer()
+    run = layer.completions if kind == "completion" else layer.chat_completions
+    answer = await _unless_disconnected(request, state, run(request, body, _gate(request, state)))
+    if answer.stream is not None:
+        return _Sse(answer)
+    return _json(answer)
+
+
+async def _unless_disconnected(request: Request, state: AppState, aw: Any) -> Answer:
+    """Run the call in this task while a watcher listens for the client leaving: then the task is cancelled (vLLM's
+    handler, or the generator under it, aborts the engine requests) and the answer is 499. Errors of the engine are
+    mapped as the token API maps them."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        answer: Answer = await aw
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ApiError(499, "client disconnected") from None
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a dead engine is 503, anything else 500 without a trace
+        raise state.engine_error(e, "generation") from None
+    finally:
+        watcher.cancel()
+    if gone:  # vLLM's handler swallowed the cancellation ("Client disconnected")
+        task.uncancel()
+        answer.close()
+        raise ApiError(499, "client disconnected")
+    return answer
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema("CompletionRequest"),
+             summary="vLLM's completions: token-id prompts (text with a tokenizer), n, logprobs, echo, streaming")
+async def completions(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "completion")
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES,
+             openapi_extra=_body_schema("ChatCompletionRequest"),
+             summary="vLLM's chat completions (needs the model's tokenizer and chat template)")
+async def chat_completions(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "chat")
+
+
+@router.post("/v1/chat/completions/render", responses=ERROR_RESPONSES,
+             openapi_extra=_body_schema("ChatCompletionRequest"),
+             summary="vLLM's render: a chat as the token request /inference/v1/generate takes (no generation)")
+async def render_chat(request: Request, state: AppState = Depends(get_state)) -> Response:
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await (await state.openai_layer()).render_chat(request, body))
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=_body_schema("TokenizeRequest"),
+             summary="vLLM's tokenize: text or chat messages to token ids (needs the model's tokenizer)")
+async def tokenize(request: Request, state: AppState = Depends(get_state)) -> Response:
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await (await state.openai_layer()).tokenize(request, body))
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=_body_schema("DetokenizeRequest"),
+             summary="vLLM's detokenize: token ids to text (needs the model's tokenizer)")
+async def detokenize(request: Request, state: AppState = Depends(get_state)) -> Response:
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await (await state.openai_layer()).detokenize(request, body, state.limits))
