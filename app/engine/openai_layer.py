@@ -111,8 +111,8 @@ _CALL: ContextVar[_Call | None] = ContextVar("tito_openai_call", default=None)
 
 def check_params(params: SamplingParams, token_ids: list[int], limits: Limits, *, priority: int,
                  priority_scheduling: bool, tokenizer: bool) -> None:
-    """The checks the token API makes (app/engine/sampling.py), on the ``SamplingParams`` vLLM's handler built: anything the
-    engine would refuse (or die on) after the answer started is refused here, before it."""
+    """The checks the token API makes (app/engine/sampling.py), on the ``SamplingParams`` vLLM's handler built:
+    anything the engine would refuse (or die on) after the answer started is refused here, before it."""
     try:
         check_prompt(token_ids, limits)
     except ApiError as e:
