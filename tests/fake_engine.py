@@ -165,6 +165,9 @@ class FakeEngine:
         self.calls.append(("remove_lora", lora_id))
         return True
 
+    async def lora_wraps_logits(self) -> bool:
+        return False
+
     # ------------------------------------------------------------------ weights and facts (recorded; no model here)
 
     async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:

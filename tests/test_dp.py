@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, metric_value
+from tests.sweep import fire, shapes
 
 GEN = "/inference/v1/generate"
 BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temperature": 0}}
@@ -70,3 +71,10 @@ def test_bad_rank_is_400(client: httpx.Client, bad: str) -> None:
     err = r.json()["error"]
     assert err["code"] == 400 and err["param"] == "X-data-parallel-rank"
     assert "X-data-parallel-rank" in err["message"]
+
+
+def test_trainer_request_shapes_together_keep_both_engines(server: ServerProcess) -> None:
+    """Issue 31's sweep on data parallel 2: every shape unpinned, and again pinned to rank 0 or 1."""
+    bodies = shapes()
+    pinned = {f"{name}@{i % 2}": body for i, (name, body) in enumerate(bodies.items())}
+    fire(server.url, {**bodies, **pinned}, headers={name: {"X-data-parallel-rank": name[-1]} for name in pinned})

@@ -32,6 +32,7 @@ from smg_grpc_proto.generated import common_pb2
 from tests.grpc_client import Replica, code_of, collect, gen_request, start_replica, start_smg
 from tests.helpers import TIMING, metric_value
 from tests.streaming import GEN, wait_for
+from tests.sweep import fire, shapes
 from tests.tokenizer_files import model_with_tokenizer
 
 ENGINE = "vllm.grpc.engine.VllmEngine"
@@ -306,6 +307,18 @@ def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Repli
     code, details = code_of(lambda: list(b.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())))
     assert code is grpc.StatusCode.UNIMPLEMENTED and "--kv-events-port" in details
     assert time.monotonic() - t0 < 10
+
+
+def test_trainer_request_shapes_together_keep_the_engine_publishing(a: Replica) -> None:
+    """Issue 31's sweep on the KV-events configuration, a subscriber reading along: the engine serves afterwards and
+    published the sweep's blocks (the 200-token prompt fills whole blocks)."""
+    sub = _Subscription(a)
+    try:
+        fire(a.url, shapes())
+        _until(lambda: len(sub.stored()) > 0, timeout=30)
+    finally:
+        sub.close()
+    assert sub.error is None or sub.error.code() is grpc.StatusCode.CANCELLED
 
 
 # --------------------------------------------------------------------------------------------------- abort, drain

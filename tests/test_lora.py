@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.reference import Reference
+from tests.sweep import fire, prompt_logprob_shapes, shapes
 
 GEN = "/inference/v1/generate"
 RANK, ALPHA = 8, 16
@@ -295,6 +296,40 @@ def test_concurrent_base_and_adapter_requests_get_their_own_answers(lc, lora_ser
             assert_matches(got, ref1 if model else base_ref, prompt, n=16)
     finally:
         unload(lc, "cc")
+
+
+ISSUE_31 = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"n": 2, "max_tokens": 4, "prompt_logprobs": 2, "seed": 8}}
+
+
+def test_prompt_logprobs_on_a_lora_server_is_a_400_and_the_engine_lives(lc, client) -> None:
+    """Issue 31: SkyRL's sample request (n=2, prompt logprobs, no adapter) killed this server's EngineCore (vLLM's LoRA
+    LM head maps one adapter row per request onto one row per prompt token; an n=1 request beside any other dies the
+    same way), so prompt logprobs are refused here up front. The server without LoRA serves the same request."""
+    for body in (ISSUE_31, {**ISSUE_31, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}):
+        r = lc.post(GEN, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "sampling_params.prompt_logprobs" and "--enable-lora" in err["message"], err
+    assert lc.get("/server_info").json()["features"]["prompt_logprobs"] is False
+    assert lc.get("/health").status_code == 200
+    assert lc.post(GEN, json={**ISSUE_31, "sampling_params": {"n": 2, "max_tokens": 4, "seed": 8}}).status_code == 200
+    # The shared server without --enable-lora: the same request, answered in full.
+    assert client.get("/server_info").json()["features"]["prompt_logprobs"] is True
+    r = client.post(GEN, json=ISSUE_31)
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and all(len(step) >= 2 for step in plp[1:]) and len(plp) == 5
+
+
+def test_trainer_request_shapes_together_keep_the_engine(lc, lora_server, w1, work) -> None:
+    """Issue 31's sweep on the LoRA configuration: Prime-RL, TRL and SkyRL shapes at once, some by adapter name."""
+    assert load(lc, "sweep", write_adapter(work / "sweep", w1)).status_code == 200
+    try:
+        for model in ("sweep", None):
+            bodies = shapes(model=model)
+            fire(lora_server.url, bodies, refused=prompt_logprob_shapes(bodies))
+    finally:
+        unload(lc, "sweep")
 
 
 def _truncate(p: Path) -> None:

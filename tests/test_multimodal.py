@@ -29,6 +29,7 @@ from app.core.protocol import ApiError
 from app.tiny.vlm import FAKE_ID, GLOBAL_ID, IMAGE_ID, IMAGE_SEQ_LEN, make_tiny_vlm
 from tests.conftest import start_tito
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port
+from tests.sweep import fire, shapes
 from tests.test_generate import sse_events
 
 GEN = "/inference/v1/generate"
@@ -308,6 +309,23 @@ def test_expanded_ids_refused(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) 
     expanded = post(vllm_vlm, body).json()["prompt_token_ids"]
     r = post(tito_vlm.url, {**body, "token_ids": expanded})
     assert r.status_code == 400 and "already expanded" in r.json()["error"]["message"], r.text
+
+
+def test_trainer_request_shapes_together_keep_the_engine(tito_vlm: ServerProcess, tok: Any) -> None:
+    """Issue 31's sweep on the VLM: the text shapes and image requests (a group, prompt logprobs, a stream, two
+    images) at once."""
+    ids = prompt_ids(tok)
+    two = tok(TEMPLATE.replace("<image>", "<image><image>").format(text="compare"), add_special_tokens=False).input_ids
+    red, navy = image_part("red"), image_part("navy")
+    fire(tito_vlm.url, {**shapes(), **{
+        "mm_group": {"token_ids": ids, "content_parts": [red],
+                     "sampling_params": {"n": 2, "seed": 5, "temperature": 1.0, "logprobs": 1, "max_tokens": 6}},
+        "mm_prompt_logprobs": {"token_ids": ids, "content_parts": [navy],
+                               "sampling_params": {"n": 2, "max_tokens": 2, "prompt_logprobs": 1, "seed": 8}},
+        "mm_stream": {"token_ids": ids, "content_parts": [red], "stream": True, "sampling_params": SP},
+        "mm_two_images": {"token_ids": two, "content_parts": [red, navy], "return_token_ids": True,
+                          "sampling_params": {"max_tokens": 4, "temperature": 0.7, "stop_token_ids": [2]}},
+    }})
 
 
 def test_client_and_cli_images(tito_vlm: ServerProcess, media_dir: Path, tok: Any) -> None:

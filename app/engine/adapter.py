@@ -325,6 +325,11 @@ class Engine:
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self.llm.remove_lora(lora_id))
 
+    async def lora_wraps_logits(self) -> bool:
+        """Whether LoRA is on and vLLM wrapped the model's logits processor for it (app/engine/worker.py): prompt
+        logprobs are then refused (app/engine/sampling.py ``LORA_PROMPT_LOGPROBS``)."""
+        return self.facts.enable_lora and any(await self.collective_rpc("tito_lora_wraps_logits"))
+
     # ------------------------------------------------------------------ weights (worker side: app/engine/worker.py)
 
     async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:

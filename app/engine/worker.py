@@ -116,6 +116,10 @@ class TitoWorkerExtension:
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
 
+    def tito_lora_wraps_logits(self) -> bool:  # LoRA on the LM head: no prompt logprobs (app/engine/sampling.py)
+        from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA as Lora
+        return any(isinstance(m, Lora) for m in self.model_runner.get_model().modules())  # type: ignore[attr-defined]
+
     # ------------------------------------------------------------------------------------------ broadcast
 
     def tito_init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
