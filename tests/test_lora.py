@@ -310,6 +310,11 @@ def test_prompt_logprobs_on_a_lora_server_is_a_400_and_the_engine_lives(lc, clie
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "sampling_params.prompt_logprobs" and "--enable-lora" in err["message"], err
+    # The OpenAI route too (TRL scores teachers with prompt_logprobs; echo + logprobs asks for them implicitly).
+    for body in ({"prompt": [3, 1, 4, 1, 5], "max_tokens": 1, "prompt_logprobs": 1},
+                 {"prompt": [3, 1, 4, 1, 5], "max_tokens": 1, "echo": True, "logprobs": 1, "return_token_ids": True}):
+        r = lc.post("/v1/completions", json=body)
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"], r.text
     assert lc.get("/server_info").json()["features"]["prompt_logprobs"] is False
     assert lc.get("/health").status_code == 200
     assert lc.post(GEN, json={**ISSUE_31, "sampling_params": {"n": 2, "max_tokens": 4, "seed": 8}}).status_code == 200
