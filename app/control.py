@@ -181,6 +181,38 @@ class ControlPlane:
         metrics.PAUSED.set(0 if mode is None else 1)
 
 
+async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float) -> None:
+    """``POST /pause`` and gRPC ``PauseGeneration``: the transition with its error answers."""
+    state.check_engine()
+    try:
+        # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
+        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
+    except ApiError:
+        raise
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
+        state.check_engine()
+        log.exception("pause failed")
+        raise ApiError(500, f"Failed to pause generation: {e}") from None
+    log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+
+
+async def resume_generation(state: AppState, timeout: float) -> None:
+    """``POST /resume`` and gRPC ``ResumeGeneration``."""
+    state.check_engine()
+    try:
+        # Resuming mid-load would generate from half-updated weights: a running update finishes first.
+        await state.control.resume(timeout)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        state.check_engine()
+        log.exception("resume failed")
+        raise ApiError(500, f"Failed to resume generation: {e}") from None
+    log.info("generation resumed")
+
+
 def _quiet(fut: asyncio.Future[Any]) -> None:
     """Retrieve a cancelled pause's late outcome so asyncio does not log it as never retrieved."""
     if not fut.cancelled():

@@ -166,6 +166,7 @@ class ModelFacts:
     kv_block_size: int = 0  # tokens per KV cache block (per engine core)
     num_kv_blocks: int = 0  # KV cache blocks per engine core
     kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = 0  # tokens one engine step schedules at most
     # From the HF config, for gateways that describe the model (gRPC GetModelInfo).
     model_type: str = ""
     architectures: tuple[str, ...] = ()
@@ -207,6 +208,7 @@ class Engine:
             kv_block_size=int(vc.cache_config.block_size or 0),
             num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
             kv_cache_dtype=str(vc.cache_config.cache_dtype),
+            max_num_batched_tokens=int(sc.max_num_batched_tokens or 0),
             model_type=str(getattr(hf, "model_type", "") or ""),
             architectures=tuple(getattr(hf, "architectures", None) or ()),
             eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
@@ -369,6 +371,15 @@ class Engine:
         """Where each DP rank's publisher answers replay requests (bound addresses; empty when off)."""
         return {int(rank): str(cfg.replay_endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
                 if cfg.enable_kv_cache_events and cfg.replay_endpoint}
+
+    def kv_event_sources(self) -> list[dict[str, Any]]:
+        """Each DP rank's KV-event publisher as configured (bound endpoints; empty when off): gRPC
+        ``GetKvEventSources``."""
+        return [{"rank": int(rank), "endpoint": str(cfg.endpoint), "replay_endpoint": str(cfg.replay_endpoint or ""),
+                 "topic": str(cfg.topic or ""), "buffer_steps": int(cfg.buffer_steps), "hwm": int(cfg.hwm),
+                 "max_queue_size": int(cfg.max_queue_size)}
+                for rank, cfg in sorted(self.llm.get_kv_event_sources().items())
+                if cfg.enable_kv_cache_events and cfg.endpoint]
 
     def scheduler_load(self) -> tuple[int, int, float] | None:
         """Running and waiting requests and KV usage from the engine's latest scheduler stats, when vLLM's stat

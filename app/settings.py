@@ -104,8 +104,11 @@ class Settings:
         None, "URL advertised to trainers as admin_base_url (default: http://<host>:<port>, with this machine's "
         "hostname when --host is a wildcard).")
     # --- gRPC (needs the `grpc` extra; see README "gRPC and the smg gateway")
-    grpc_port: int | None = flag(None, "Also serve vLLM's gRPC API (VllmEngine, health, reflection) on this port, "
-                                 "same engine and admission as HTTP; unset: no gRPC.")
+    grpc_port: int | None = flag(None, "Also serve gRPC on this port: smg's VllmEngine and vLLM's native vllm.Control "
+                                 "+ vllm.Inference (Dynamo's vLLM sidecar), health, reflection; same engine and "
+                                 "admission as HTTP; unset: no gRPC.")
+    grpc_trust_loopback: bool = flag(True, "With API keys set, vllm.Control / vllm.Inference calls from a loopback "
+                                     "peer need no key (the Dynamo sidecar beside tito sends none); others always do.")
     # --- HTTP server
     max_body_bytes: int = flag(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting.")

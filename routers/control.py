@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, Query
 from starlette.responses import Response
 
 from app import metrics
-from app.protocol import ERROR_RESPONSES, ApiError, json_response
+from app.control import pause_generation, resume_generation
+from app.protocol import ERROR_RESPONSES, json_response
 from app.state import AppState, get_state
 
 log = logging.getLogger("tito.control")
@@ -28,19 +29,7 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
                                                                 "mode=wait, for the drain; a drain that does not end "
                                                                 "in time is cancelled (504)."),
                 state: AppState = Depends(get_state)) -> Response:
-    state.check_engine()
-    try:
-        # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
-        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
-    except ApiError:
-        raise
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
-        state.check_engine()
-        log.exception("pause failed")
-        raise ApiError(500, f"Failed to pause generation: {e}") from None
-    log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+    await pause_generation(state, mode, clear_cache, timeout)
     return json_response({"status": "paused"})
 
 
@@ -48,17 +37,7 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
 async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
                                                                  "earlier control calls (409 after that)."),
                  state: AppState = Depends(get_state)) -> Response:
-    state.check_engine()
-    try:
-        # Resuming mid-load would generate from half-updated weights: a running update finishes first.
-        await state.control.resume(timeout)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        state.check_engine()
-        log.exception("resume failed")
-        raise ApiError(500, f"Failed to resume generation: {e}") from None
-    log.info("generation resumed")
+    await resume_generation(state, timeout)
     return json_response({"status": "resumed"})
 
 
