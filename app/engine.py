@@ -135,9 +135,10 @@ def engine_args(settings: Settings) -> Any:
 
 def kv_events_config(port: int, dp_size: int = 1) -> Any:
     """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
-    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (app/dynamo.py), and
-    gRPC SubscribeKvEvents relays it (app/grpc_kv_events.py). Its replay socket (the last batches, for a subscriber
-    resuming from a sequence number) is on port + dp_size + r (free ports with 0)."""
+    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (gRPC
+    GetKvEventSources tells the sidecar where), and gRPC SubscribeKvEvents relays it (app/grpc_kv_events.py). Its
+    replay socket (the last batches, for a subscriber resuming from a sequence number) is on port + dp_size + r
+    (free ports with 0)."""
     from vllm.config.kv_events import KVEventsConfig
 
     replay = f"tcp://*:{port + dp_size}" if port else "tcp://*:0"

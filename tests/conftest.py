@@ -8,8 +8,9 @@
 - ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
   (started when first asked for).
 - ``sidecar_a`` / ``sidecar_b``: two replicas for vLLM's native gRPC services and Dynamo's sidecar in front of them
-  (``--grpc-port``, KV events, 32-token blocks, LoRA; served as ``tiny``), started when first asked for
-  (test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py both, and stops ``b`` at its end).
+  (``--grpc-port``, KV events, 32-token blocks, LoRA; served as ``tiny``; ``b`` runs its own sidecar with
+  ``--dynamo-namespace``), started when first asked for (test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py
+  both, and stops ``b`` at its end).
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs and small
   request caps: the end-to-end server of test_client.py and test_security.py (started when first asked for). Each
   module using it restores it at its end (``restore_server`` with the admin key).
@@ -211,14 +212,21 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
                           "--max-body-bytes", "65536", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
                           name="tito-keyed", timeout=timeout)
 
-    def sidecar_replica(name: str) -> Callable[[], ServerProcess]:
+    def sidecar_replica(name: str, own_sidecar: bool) -> Callable[[], ServerProcess]:
         def start() -> ServerProcess:
+            from tests.sidecar import NS, dynamo_env, dynamo_kv_dir, system_port
+
             # VLLM_HOST_IP: the KV-event publishers' free ports (--kv-events-port 0) bind loopback. 512 blocks of
             # 32 tokens (16,384 tokens) hold every prompt of the KV-routing test many times over.
+            extra: tuple[str, ...] = ()
+            env = {"VLLM_HOST_IP": "127.0.0.1"}
+            if own_sidecar:  # `tito serve --dynamo-namespace`: tito runs Dynamo's sidecar as its child
+                extra = ("--dynamo-namespace", NS, "--dynamo-system-port", str(system_port()))
+                env.update(dynamo_env(dynamo_kv_dir(tmp_path_factory.getbasetemp())))
             return start_tito(tmp_path_factory, tiny_model, "--served-model-name", "tiny", "--grpc-port",
                               str(free_port()), "--kv-events-port", "0", "--block-size", "32", "--num-kv-blocks",
-                              "512", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                              env={"VLLM_HOST_IP": "127.0.0.1"}, name=name, timeout=timeout)
+                              "512", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", *extra,
+                              env=env, name=name, timeout=timeout)
 
         return start
 
@@ -233,8 +241,8 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     # too: its users are test_client.py and test_security.py, started when the first of them asks for it.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
                                               "keyed_tito": keyed, "vllm_ref": vllm,
-                                              "sidecar_a": sidecar_replica("sidecar-a"),
-                                              "sidecar_b": sidecar_replica("sidecar-b")},
+                                              "sidecar_a": sidecar_replica("sidecar-a", False),
+                                              "sidecar_b": sidecar_replica("sidecar-b", True)},
                             lazy=frozenset({"keyed_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
     _SHARED.append(servers)
     yield servers
@@ -282,7 +290,7 @@ def sidecar_a(shared_servers: SharedServers) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def sidecar_b(shared_servers: SharedServers) -> ServerProcess:
-    """The second replica: test_sidecar_serve.py stops it with its last test."""
+    """The second replica, with its own Dynamo sidecar: test_sidecar_serve.py stops it with its last test."""
     return shared_servers.get("sidecar_b")
 
 

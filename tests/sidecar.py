@@ -5,6 +5,8 @@ discovery, TCP request plane, ZMQ event plane, everything on loopback)."""
 from __future__ import annotations
 
 import importlib.util
+import random
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -55,7 +57,7 @@ def inference(server: ServerProcess) -> ipb_grpc.InferenceStub:
 
 
 def gen(ids: list[int], n: int, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
-        request_id: str = "", **kw: Any) -> ipb.GenerateRequest:
+        request_id: str = "", model: str = MODEL, **kw: Any) -> ipb.GenerateRequest:
     """A greedy request as the sidecar sends one: token ids in, token ids and text out."""
     response = ipb.ResponseOptions(output_text=True, output_token_ids=True)
     if logprobs is not None:
@@ -65,7 +67,7 @@ def gen(ids: list[int], n: int, *, logprobs: int | None = None, prompt_logprobs:
         response.prompt_token_ids = response.prompt_logprobs = True
         response.prompt_candidates.top_n = prompt_logprobs
     stopping = kw.pop("stopping", None) or ipb.StoppingCriteria(max_new_tokens=n, ignore_eos=True)
-    return ipb.GenerateRequest(request_id=request_id, model=MODEL, token_ids=ipb.TokenIds(ids=ids), temperature=0.0,
+    return ipb.GenerateRequest(request_id=request_id, model=model, token_ids=ipb.TokenIds(ids=ids), temperature=0.0,
                                sampling=ipb.RandomSampling(num_sequences=1), stopping=stopping, response=response,
                                **kw)
 
@@ -118,10 +120,30 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
 
 
 def system_port() -> int:
-    """A free port the sidecar accepts as DYN_SYSTEM_PORT: it reads the value as a signed 16-bit number."""
-    while (port := free_port()) >= 32768:
-        pass
-    return port
+    """A free port the sidecar accepts as DYN_SYSTEM_PORT: it reads the value as a signed 16-bit number, and the
+    kernel's own free ports (the ephemeral range) usually lie above 32767."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
+def dynamo_kv_dir(basetemp: Path) -> Path:
+    """The file-discovery directory every Dynamo process of the session's sidecar tests shares."""
+    d = basetemp / "sidecar-dynamo-kv"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def child_system_url(server: ServerProcess) -> str:
+    """The system URL of the sidecar a replica started itself (``--dynamo-namespace --dynamo-system-port``)."""
+    return f"http://127.0.0.1:{server.cmd[server.cmd.index('--dynamo-system-port') + 1]}"
 
 
 def dynamo_env(kv_dir: Path) -> dict[str, str]:

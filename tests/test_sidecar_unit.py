@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,47 @@ async def test_no_keys_means_open_and_health_follows_readiness(
         for reason in ("starting", "draining", "shutting_down", "engine_dead"):
             state.not_ready_reason = reason
             assert (await health.Check(health_pb2.HealthCheckRequest(service=service))).status == not_serving
+
+
+# ------------------------------------------------------------------------------------------------ tito serve's sidecar
+
+
+def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
+    from app.dynamo_sidecar import sidecar_command
+    from app.settings import Settings
+
+    base = Settings(dynamo_namespace="rl", port=8000)
+    with pytest.raises(SystemExit, match="--grpc-port"):
+        sidecar_command(base, {})
+    cmd, env = sidecar_command(base.replace(grpc_port=50051, enable_lora=True), {})
+    assert cmd[1:3] == ["-m", "dynamo.vllm.sidecar"]
+    args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert args == {"--grpc-endpoint": "127.0.0.1:50051", "--namespace": "rl", "--component": "backend",
+                    "--vllm-http-endpoint": "http://127.0.0.1:8000"}
+    assert "--enable-rl" not in cmd and "DYN_SYSTEM_PORT" not in env and env["DYN_LORA_ENABLED"] == "true"
+    # A system port (flag or environment) turns on RL discovery and the engine-control routes.
+    cmd, env = sidecar_command(base.replace(grpc_port=50051, dynamo_system_port=8081), {})
+    assert cmd[-1] == "--enable-rl" and env["DYN_SYSTEM_PORT"] == "8081"
+    cmd, env = sidecar_command(base.replace(grpc_port=50051), {"DYN_SYSTEM_PORT": "9000"})
+    assert cmd[-1] == "--enable-rl" and env["DYN_SYSTEM_PORT"] == "9000"
+    with pytest.raises(SystemExit, match="32767"):
+        sidecar_command(base.replace(grpc_port=50051, dynamo_system_port=40000), {})
+    # Listening everywhere: the sidecar still connects over loopback; trainers get this machine's name.
+    cmd, _ = sidecar_command(base.replace(grpc_port=50051, host="0.0.0.0"), {})
+    args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert args["--grpc-endpoint"] == "127.0.0.1:50051"
+    assert args["--vllm-http-endpoint"] == f"http://{socket.gethostname()}:8000"
+    cmd, _ = sidecar_command(base.replace(grpc_port=50051, dynamo_admin_base_url="http://rollout-0:8000/"), {})
+    assert "http://rollout-0:8000" in cmd
+
+
+def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
+    from app.dynamo_sidecar import stop
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])
+    try:
+        time.sleep(0.5)  # its handler is installed
+        assert stop(child, timeout=10) == 7
+    finally:
+        child.kill()
