@@ -397,7 +397,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ApiError as e:
             err, finished = e, True
         except asyncio.CancelledError:
-            raise  # the caller went away (the finally aborts the engine request)
+            # The caller went away (Dynamo's sidecar resets the stream when its client leaves): the finally aborts
+            # the engine request at once.
+            call.done(grpc.StatusCode.CANCELLED)
+            log.info("gRPC %s %s: the caller left; aborting it in the engine", call.method, request_id)
+            raise
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a hang
             err, finished = state.engine_error(e, "generation", param_prefix="sampling_params."), True
         finally:

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import start_tito
+from tests.conftest import start_timeout, start_tito
 from tests.helpers import ServerProcess, free_port, metric_value
 
 GEN = "/inference/v1/generate"
@@ -21,8 +21,9 @@ BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temp
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # Two engine cores (and a DP coordinator) start: twice the usual time on a busy machine.
     s = start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", "--grpc-port", str(free_port()),
-                   "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2")
+                   "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2", timeout=start_timeout(2))
     yield s
     s.kill()
 

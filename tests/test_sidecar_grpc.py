@@ -238,6 +238,9 @@ def test_a_caller_that_leaves_frees_the_engine(a: ServerProcess, http: httpx.Cli
              (metric_value(http.get("/metrics").text, "vllm:num_requests_running") or 0) == 0, 10,
              "the request to leave tito and its engine", every=0.02)
     assert time.monotonic() - t0 < 2.0
+    cancelled = {"method": "GenerateStream", "code": "CANCELLED"}
+    assert (metric_value(http.get("/metrics").text, "tito_grpc_requests_total", cancelled) or 0) >= 1
+    assert "the caller left; aborting it in the engine" in a.log_text()
 
 
 # ------------------------------------------------------------------------------------------------ control
