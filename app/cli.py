@@ -1,5 +1,5 @@
 """``tito`` command line: ``serve``, ``make-tiny-model``, and the client commands for a running server
-(``app/cli_client.py``: ``generate``, ``status``, ``drain``, ``update-weights``, ``load-lora``, ...)."""
+(``app/client/commands.py``: ``generate``, ``status``, ``drain``, ``update-weights``, ``load-lora``, ...)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from app.settings import Settings, add_server_flags
+from app.core.settings import Settings, add_server_flags
 
 
 class _TextFormatter(logging.Formatter):
@@ -23,7 +23,7 @@ class _TextFormatter(logging.Formatter):
 
 
 def _setup_logging(level: str, fmt: str) -> None:
-    from app.reqlog import RequestIdFilter
+    from app.server.reqlog import RequestIdFilter
 
     if fmt == "json":
         import json
@@ -61,17 +61,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print(f"tito: model directory {settings.model!r} does not exist "
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
         return 2
-    from app.lifecycle import serve
     from app.main import create_app
+    from app.server.lifecycle import serve
 
-    # SIGTERM drains (see app/lifecycle.py); the exit code is 0 after a clean shutdown, non-zero if the engine died.
+    # SIGTERM drains (see app/server/lifecycle.py); the exit code is 0 after a clean shutdown, non-zero if the
+    # engine died.
     app = create_app(settings)
     if settings.log_requests:
-        from app.reqlog import RequestLog
+        from app.server.reqlog import RequestLog
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     if settings.dynamo_namespace:
-        from app.dynamo_sidecar import run_sidecar
+        from app.dynamo.sidecar import run_sidecar
 
         with run_sidecar(settings):  # Dynamo's vLLM sidecar beside the server; stopped when the server exits
             return serve(app, settings.host, settings.port)
@@ -80,11 +81,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     if ns.vlm:
-        from app.tiny_vlm import make_tiny_vlm
+        from app.tiny.vlm import make_tiny_vlm
 
         print(f"tiny vision-language model in {make_tiny_vlm(ns.dir, seed=ns.seed, force=ns.force)}")
         return 0
-    from app.tiny_model import make_tiny_model
+    from app.tiny.model import make_tiny_model
 
     out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force, tokenizer=not ns.no_tokenizer)
     print(f"tiny model in {out}")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "processor and tokenizer) for multimodal requests instead.")
     m.set_defaults(func=cmd_make_tiny_model)
 
-    from app.cli_client import add_client_commands
+    from app.client.commands import add_client_commands
 
     add_client_commands(sub)
     return p

@@ -15,12 +15,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.engine import Engine
-from app.metrics import RequestMetrics
-from app.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
-from app.security import install_security
-from app.settings import Settings
-from app.state import AppState
+from app.core.metrics import HttpMiddleware, RequestMetrics
+from app.core.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
+from app.core.settings import Settings
+from app.engine.adapter import Engine
+from app.server.security import install_security
+from app.server.state import AppState
 
 log = logging.getLogger("tito")
 
@@ -50,9 +50,9 @@ async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) ->
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start: an injected engine is brought up before serving (tests); tito's own engine starts in the background
-    after uvicorn has bound the port (app/startup.py), and routes answer 503 "starting" until it is up. Stop: other
-    services, then in-flight requests are aborted, then the engine."""
-    from app.startup import bring_up, start_engine, stop_services
+    after uvicorn has bound the port (app/server/startup.py), and routes answer 503 "starting" until it is up.
+    Stop: other services, then in-flight requests are aborted, then the engine."""
+    from app.server.startup import bring_up, start_engine, stop_services
 
     app.state.tito = None
     app.state.starting_state = None
@@ -97,17 +97,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.info("engine shut down")
 
 
-class BodyLimit:
+class BodyLimit(HttpMiddleware):
     """Refuse bodies over the limit with 413 before reading them (Content-Length) or while reading (chunked)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
@@ -186,11 +183,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
 
 def _services(settings: Settings) -> list[Any]:
-    """Servers beside HTTP that start once the engine is up (app/startup.py ``Service``)."""
+    """Servers beside HTTP that start once the engine is up (app/server/startup.py ``Service``)."""
     services: list[Any] = []
     if settings.grpc_port:
         try:
-            from app.grpc_server import GrpcService  # the `grpc` extra, only when asked for
+            from app.grpc.server import GrpcService  # the `grpc` extra, only when asked for
         except ImportError as e:
             raise RuntimeError(f"--grpc-port needs the grpc extra (pip install 'tito[grpc]'): {e}") from e
         services.append(GrpcService())

@@ -1,4 +1,7 @@
-"""HTTP routers, one module per concern. ``ALL`` is the order they are mounted in."""
+"""HTTP routers, one module per concern. ``ALL`` is the order they are mounted in.
+
+Imports: ``app.core``, ``app.engine``, ``app.weights``, ``app.server``; routers speak HTTP and import no vLLM.
+"""
 
 from __future__ import annotations
 

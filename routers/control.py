@@ -1,7 +1,7 @@
 """Generation control for RL trainers: ``POST /pause``, ``POST /resume``, ``GET /is_paused`` (vLLM's routes and shapes).
 
-Pause, resume and weight updates run one at a time in arrival order (``app/control.py`` says what concurrent calls
-do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
+Pause, resume and weight updates run one at a time in arrival order (``app/server/control.py`` says what concurrent
+calls do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
 """
 
 from __future__ import annotations
@@ -12,15 +12,46 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query
 from starlette.responses import Response
 
-from app import metrics
-from app.control import pause_generation, resume_generation
-from app.protocol import ERROR_RESPONSES, json_response
-from app.state import AppState, get_state
+from app.core import metrics
+from app.core.protocol import ERROR_RESPONSES, ApiError, json_response
+from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.control")
 router = APIRouter(tags=["control"])
 
 PauseMode = Literal["abort", "wait", "keep"]
+
+
+async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float) -> None:
+    """``POST /pause`` and gRPC ``PauseGeneration``: the transition with its error answers."""
+    state.check_engine()
+    try:
+        # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
+        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
+    except ApiError:
+        raise
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
+        state.check_engine()
+        log.exception("pause failed")
+        raise ApiError(500, f"Failed to pause generation: {e}") from None
+    log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+
+
+async def resume_generation(state: AppState, timeout: float) -> None:
+    """``POST /resume`` and gRPC ``ResumeGeneration``."""
+    state.check_engine()
+    try:
+        # Resuming mid-load would generate from half-updated weights: a running update finishes first.
+        await state.control.resume(timeout)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        state.check_engine()
+        log.exception("resume failed")
+        raise ApiError(500, f"Failed to resume generation: {e}") from None
+    log.info("generation resumed")
 
 
 @router.post("/pause", responses=ERROR_RESPONSES, summary="Pause generation (abort | wait | keep in-flight requests)")

@@ -17,17 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from app.multimodal import MultimodalPrompt, multimodal_prompt
-from app.protocol import ERROR_RESPONSES, ApiError, GenerateRequest, GenerateResponse, bad_request, validation_error
-from app.reqlog import set_request_id
-from app.sampling import build_sampling_params, check_prompt
-from app.state import AppState, get_state
+from app.core.multimodal import MultimodalPrompt, multimodal_prompt
+from app.core.protocol import (
+    ERROR_RESPONSES,
+    ApiError,
+    GenerateRequest,
+    GenerateResponse,
+    bad_request,
+    parse_json_body,
+)
+from app.engine.sampling import build_sampling_params, check_prompt
+from app.server.reqlog import set_request_id
+from app.server.state import AppState, get_state
 
 if TYPE_CHECKING:
-    from app.engine import CompletionOutput, RequestOutput
+    from app.engine.adapter import CompletionOutput, RequestOutput
 
 log = logging.getLogger("tito.generate")
 router = APIRouter(tags=["generate"])
@@ -135,12 +141,7 @@ async def _parse(request: Request, state: AppState) -> GenerateRequest:
     if len(body) > state.settings.max_body_bytes:
         raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of "
                             f"{state.settings.max_body_bytes} bytes.")
-    try:
-        return GenerateRequest.model_validate_json(body)
-    except ValidationError as e:
-        if any(err["type"] == "json_invalid" for err in e.errors()):
-            raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
-        raise validation_error(e) from None
+    return parse_json_body(GenerateRequest, body)
 
 
 @router.post("/inference/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES,
@@ -159,7 +160,8 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
     model_name = req.model if lora is not None else state.facts.name
     num_lp = params.logprobs
-    mm = await multimodal_prompt(state, req, params, salt)  # None unless content_parts / features (app/multimodal.py)
+    # None unless content_parts / features (app/core/multimodal.py).
+    mm = await multimodal_prompt(state, req, params, salt)
 
     # The engine sees a unique id (clients may share theirs); the answer carries the client's, as vLLM's does.
     engine_id = state.enter(request_id)

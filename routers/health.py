@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.protocol import json_response
-from app.state import AppState, not_started
+from app.core.protocol import json_response
+from app.server.state import AppState, not_started
 
 router = APIRouter(tags=["health"])
 

@@ -14,10 +14,10 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from app import __version__
-from app.engine import has_tokenizer, vllm_version
-from app.protocol import json_response
-from app.security import Plane, classify
-from app.state import AppState, get_state
+from app.core.protocol import json_response
+from app.engine.adapter import has_tokenizer, vllm_version
+from app.server.security import Plane, classify
+from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.info")
 router = APIRouter(tags=["info"])
@@ -137,7 +137,7 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "draining": state.draining,
             "shutting_down": state.shutting_down,
             "paused": await _paused(state),
-            "control": state.control.info(),  # pause/resume/update queue (app/control.py)
+            "control": state.control.info(),  # pause/resume/update queue (app/server/control.py)
             "inflight": state.inflight,
             "weight_version": state.weight_version,
             "weights_inconsistent": state.weights.inconsistent is not None,

@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from app.protocol import ERROR_RESPONSES, ApiError, json_response, validation_error
-from app.state import AppState, get_state
+from app.core.protocol import ERROR_RESPONSES, ApiError, json_response, parse_json_body
+from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.lifecycle")
 router = APIRouter(tags=["lifecycle"])
@@ -40,12 +40,7 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
     if not raw.strip():
         return model()
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        if any(err["type"] == "json_invalid" for err in e.errors()):
-            raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
-        raise validation_error(e) from None
+    return parse_json_body(model, raw)
 
 
 def _drain_status(state: AppState) -> dict[str, Any]:

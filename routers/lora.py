@@ -4,7 +4,7 @@
 - ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``: vLLM's semantics and answers.
 - ``GET /lora_adapters``: the registry, including the request generation sends for each adapter.
 
-The orchestration (validation, the lock, ids, the engine calls) is ``app.adapters.LoraManager``.
+The orchestration (validation, the lock, ids, the engine calls) is ``app.weights.lora.LoraManager``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import PlainTextResponse, Response
 
-from app.protocol import json_response
-from app.state import AppState, get_state
+from app.core.protocol import json_response
+from app.server.state import AppState, get_state
 
 router = APIRouter(tags=["lora"])
 

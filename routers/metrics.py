@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.responses import Response
 
-from app.metrics import DRAINING, PAUSED, WEIGHT_VERSION
-from app.state import AppState
+from app.core.metrics import DRAINING, PAUSED, WEIGHT_VERSION
+from app.server.state import AppState
 
 log = logging.getLogger("tito.metrics")
 router = APIRouter(tags=["metrics"])

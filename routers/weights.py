@@ -17,11 +17,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
-from app.engine import on_cpu
-from app.paths import resolve_allowed
-from app.protocol import ERROR_RESPONSES, ApiError, json_response, validation_error
-from app.state import AppState, get_state
-from app.weights import UpdateOutcome, derive_version, scan_checkpoint, validate, worker_error
+from app.core.protocol import ERROR_RESPONSES, ApiError, json_response, validation_error
+from app.engine.adapter import on_cpu
+from app.server.state import AppState, get_state
+from app.weights.paths import resolve_allowed
+from app.weights.updates import UpdateOutcome, derive_version, scan_checkpoint, validate, worker_error
 
 log = logging.getLogger("tito.weights")
 router = APIRouter(tags=["weights"])
@@ -151,7 +151,7 @@ async def _disk_update(state: AppState, directory: Path, version: str | None, so
 
         return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}")
 
-    # Under the control lock: pause/resume calls sent meanwhile run after the update, in order (app/control.py).
+    # Under the control lock: pause/resume calls sent meanwhile run after the update, in order (app/server/control.py).
     return await mgr.run(key, state.control.guard(f"weight update ({source})", work), version)
 
 
@@ -284,7 +284,7 @@ async def finish_weight_update(request: Request, state: AppState = Depends(get_s
 
 
 def _set_version(state: AppState, version: str) -> None:
-    from app import metrics
+    from app.core import metrics
 
     state.weight_version = version
     metrics.WEIGHT_VERSION.info({"version": version})

@@ -46,44 +46,25 @@ import asyncio
 import json
 import os
 import platform
-import random
 import shlex
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (ROOT, ROOT / "scripts"):  # tito's code, and the load generator and report beside this script
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench_report import build_summary, print_table, write_chart  # noqa: E402
+from loadgen import CLIENTS, Workload, closed_loop, process_cpu_s, request_spec, sampling, with_cpu  # noqa: E402
 
 SYSTEMS = ("inprocess", "tito", "vllm", "matched")
 MAX_MODEL_LEN = 512
-GEN_PATH = "/inference/v1/generate"
-LOAD_TIMEOUT_S = 600.0  # a whole workload; a hung server fails the run instead of stalling it
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    clients: int
-    max_tokens: int  # 0 = mixed lengths
-    stream: bool
-    requests: int
-    metric: str  # the headline number: tok/s, req/s or p50
-
-    def scaled(self, quick: bool) -> Workload:
-        if not quick:
-            return self
-        c = min(self.clients, 4)
-        return Workload(self.name, c, min(self.max_tokens, 8) if self.max_tokens else 0, self.stream, c * 2,
-                        self.metric)
-
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("64x64", 64, 64, False, 512, "tok/s"),
@@ -93,236 +74,6 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("mixed", 32, 0, False, 256, "tok/s"),
 )}
 WARMUP = Workload("warmup", 4, 4, False, 8, "req/s")
-
-
-def request_spec(wl: Workload, i: int) -> tuple[list[int], int]:
-    """The prompt and max_tokens of request ``i`` of a workload: the same for every system."""
-    rng = random.Random(f"{wl.name}-{i}")
-    if wl.max_tokens:
-        plen, max_tokens = 16, wl.max_tokens
-    else:
-        plen, max_tokens = rng.choice((8, 32, 128, 256)), rng.choice((1, 8, 32, 128))
-        if wl.requests <= 16:  # --quick: keep the smoke short
-            plen, max_tokens = min(plen, 32), min(max_tokens, 8)
-    return [rng.randrange(3, 500) for _ in range(plen)], max_tokens
-
-
-def sampling(max_tokens: int) -> dict[str, Any]:
-    return {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-
-
-def summarize(wall: float, latencies: list[float], tokens: int, ok: int, errors: int,
-              samples: list[str]) -> dict[str, Any]:
-    lat = sorted(latencies)
-
-    def pct(p: float) -> float | None:
-        if not lat:
-            return None
-        return lat[min(len(lat) - 1, int(round(p / 100 * (len(lat) - 1))))] * 1000.0
-
-    return {"wall_s": wall, "requests": ok + errors, "ok": ok, "errors": errors, "tokens": tokens,
-            "tok_s": tokens / wall if wall > 0 else 0.0, "req_s": ok / wall if wall > 0 else 0.0,
-            "p50_ms": pct(50), "p99_ms": pct(99), "error_samples": samples[:5]}
-
-
-def process_cpu_s(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process (all its threads; not its children). Unlike throughput, this barely
-    moves when other processes share the machine, so it shows the serving process's own cost per request."""
-    if pid is None:
-        return time.process_time()
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def with_cpu(res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
-    res["cpu_ms_per_req"] = cpu_s * 1000.0 / res["ok"] if res["ok"] else None
-    return res
-
-
-# --------------------------------------------------------------------------------------------------- HTTP load
-
-
-def _bodies(wl: Workload) -> list[bytes]:
-    import orjson
-
-    out = []
-    for i in range(wl.requests):
-        prompt, mt = request_spec(wl, i)
-        body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling(mt)}
-        if wl.stream:
-            body["stream"] = True
-        out.append(orjson.dumps(body))
-    return out
-
-
-def _count_tokens(body: bytes, stream: bool) -> int:
-    """Tokens in a whole answer (JSON, or SSE events ending with [DONE]); raises on an error event or a cut stream."""
-    import orjson
-
-    if not stream:
-        return sum(len(c["token_ids"]) for c in orjson.loads(body)["choices"])
-    got, done = 0, False
-    for event in body.split(b"\n\n"):
-        line = event.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            done = True
-            break
-        ev = orjson.loads(payload)
-        if "error" in ev:
-            raise RuntimeError(f"error event: {ev['error']}")
-        got += sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
-    if not done:
-        raise RuntimeError("stream ended without [DONE]")
-    return got
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of the lean load generator: httptools (C) parses the answer and the body is
-    only looked at once it is complete, so the client spends as little CPU per request as it can. On a 2-core
-    machine every millisecond the client spends is taken from the server it measures."""
-
-    def __init__(self) -> None:
-        import httptools
-
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
-        self.chunks: list[bytes] = []
-        self.status = 0
-        self.keep_alive = True
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except Exception as e:  # noqa: BLE001 - a malformed answer fails this request, not the run
-            self._fail(RuntimeError(f"bad HTTP answer: {e}"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self._fail(ConnectionError(f"server closed the connection: {exc or 'EOF'}"))
-
-    # httptools callbacks
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result((self.status, b"".join(self.chunks)))
-
-    def _fail(self, exc: Exception) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
-
-    async def request(self, head: bytes, body: bytes) -> tuple[int, bytes]:
-        assert self.transport is not None
-        self.chunks = []
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
-        return await self.waiter
-
-
-async def closed_loop(wl: Workload, send: Callable[[int, int], Awaitable[int]]) -> dict[str, Any]:
-    """Drive a workload closed-loop: ``wl.clients`` clients each send their next request as soon as the last one
-    answered. ``send(client, i)`` sends request ``i`` and returns the tokens it got; any exception, or fewer tokens
-    than the request's ``max_tokens``, is one error (counted and sampled, never fatal)."""
-    wants = [request_spec(wl, i)[1] for i in range(wl.requests)]
-    latencies: list[float] = []
-    samples: list[str] = []
-    tokens = ok = errors = 0
-    nxt = 0
-
-    async def client(c: int) -> None:
-        nonlocal nxt, tokens, ok, errors
-        while nxt < wl.requests:
-            i = nxt
-            nxt += 1
-            t0 = time.perf_counter()
-            try:
-                got = await send(c, i)  # not `tokens += await ...`: that reads `tokens` before the await
-                if got < wants[i]:
-                    raise RuntimeError(f"short answer: {got} of {wants[i]} tokens")
-                tokens += got
-                ok += 1
-                latencies.append(time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - every failure is counted and sampled, never fatal
-                errors += 1
-                samples.append(f"{type(e).__name__}: {e}")
-
-    t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(wl.clients))), LOAD_TIMEOUT_S)
-    return summarize(time.perf_counter() - t0, latencies, tokens, ok, errors, samples)
-
-
-async def raw_load(url: str, wl: Workload) -> dict[str, Any]:
-    """The default load generator: one keep-alive connection per client over a bare asyncio protocol."""
-    host, _, port = url.removeprefix("http://").partition(":")
-    head = (f"POST {GEN_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            "Content-Length: ").encode()
-    bodies = _bodies(wl)
-    loop = asyncio.get_running_loop()
-    conns: list[_Conn | None] = [None] * wl.clients
-
-    async def send(c: int, i: int) -> int:
-        conn = conns[c]
-        try:
-            if conn is None or conn.transport is None:
-                _, conn = await loop.create_connection(_Conn, host, int(port))
-                conns[c] = conn
-            status, body = await conn.request(head, bodies[i])
-        except BaseException:
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()  # the connection's state is unknown: the next request opens a fresh one
-            conns[c] = None
-            raise
-        if not conn.keep_alive and conn.transport is not None:
-            conn.transport.close()
-            conns[c] = None
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
-        return _count_tokens(body, wl.stream)
-
-    try:
-        return await closed_loop(wl, send)
-    finally:
-        for conn in conns:
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()
-
-
-async def aiohttp_load(url: str, wl: Workload) -> dict[str, Any]:
-    """The earlier load generator (aiohttp), for comparison: it spends 1.5-6x the CPU per request of
-    :func:`raw_load`, CPU that the server under test then lacks."""
-    import aiohttp
-
-    bodies = _bodies(wl)
-    headers = {"Content-Type": "application/json"}
-    conn = aiohttp.TCPConnector(limit=wl.clients, keepalive_timeout=300)
-    async with aiohttp.ClientSession(connector=conn,
-                                     timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)) as session:
-
-        async def send(_: int, i: int) -> int:
-            async with session.post(url + GEN_PATH, data=bodies[i], headers=headers) as r:
-                body = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
-                return _count_tokens(body, wl.stream)
-
-        return await closed_loop(wl, send)
-
-
-CLIENTS = {"raw": raw_load, "aiohttp": aiohttp_load}
 
 
 # --------------------------------------------------------------------------------------------------- in-process
@@ -388,8 +139,8 @@ def extra_cores(tito: dict[str, Any], inprocess: dict[str, Any]) -> float:
 def inprocess_main(model: str, workloads: list[Workload], burn: dict[str, float] | None = None) -> dict[str, Any]:
     """Run in the worker process: start the engine like tito does (same settings), run the workloads. With ``burn``
     (the ``matched`` system), each workload runs beside a :class:`Burner` of that many cores."""
-    from app.engine import Engine
-    from app.settings import Settings
+    from app.core.settings import Settings
+    from app.engine.adapter import Engine
 
     settings = Settings(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, warmup=True)
 
@@ -575,110 +326,6 @@ def _drive(url: str, pid: int, workloads: list[Workload], logs: Path, timeout: f
     return results
 
 
-def median_of(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> float | None:
-    vals = [r[system][wl][key] for r in rounds
-            if system in r and wl in r[system] and r[system][wl].get(key) is not None]
-    return statistics.median(vals) if vals else None
-
-
-def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: list[Workload]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for wl in workloads:
-        row: dict[str, Any] = {}
-        for s in systems:
-            row[s] = {k: median_of(rounds, s, wl.name, k)
-                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req", "client_cpu_ms_per_req",
-                               "burned_cores")}
-            row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
-        key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
-        for other in ("inprocess", "vllm", "matched"):
-            if "tito" in row and other in row and row["tito"][key] and row[other][key]:
-                ratio = row["tito"][key] / row[other][key]
-                row[f"tito/{other}"] = ratio if key != "p50_ms" else None
-                if key == "p50_ms":
-                    row[f"tito-{other}_p50_ms"] = row["tito"][key] - row[other][key]
-        summary[wl.name] = row
-    cold = {s: sum(r[s]["warmup"]["errors"] for r in rounds if s in r) for s in systems}
-    keys = ("server_rss_mb", "server_uss_mb", "engine_rss_mb")
-    memory: dict[str, Any] = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
-              for s in systems if any(s in r for r in rounds)}
-    # What tito itself adds to the memory of a process that runs vLLM's engine client: the API process of both
-    # imports torch and vLLM, so their USS difference is tito's own share (FastAPI, uvicorn, its code and buffers).
-    if "tito" in memory and "inprocess" in memory:
-        memory["tito_own_mb"] = memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
-    return {"workloads": summary, "cold_errors": cold, "memory": memory}
-
-
-def _fmt(v: Any, nd: int = 0) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
-
-
-def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:
-    print(f"\nmedians over {rounds} round(s); errors are totals (non-200, error event, short answer)")
-    print("cpu ms/req: CPU time of the serving process (API + engine client; not the EngineCore) per request;")
-    print("client ms/req: CPU time of the HTTP load generator per request (taken from the same 2 cores)")
-    head = (f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-            f"{'cpu ms/req':>10} {'client ms/req':>13}")
-    print(head)
-    print("-" * len(head))
-    for wl in workloads:
-        row = summary["workloads"][wl.name]
-        for s in systems:
-            m = row[s]
-            print(f"{wl.name:<12} {s:<10} {_fmt(m['tok_s']):>9} {_fmt(m['req_s'], 1):>9} {_fmt(m['p50_ms'], 2):>8} "
-                  f"{_fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {_fmt(m.get('cpu_ms_per_req'), 3):>10} "
-                  f"{_fmt(m.get('client_cpu_ms_per_req'), 3):>13}")
-        ratios = []
-        for other in ("inprocess", "vllm", "matched"):
-            if row.get(f"tito/{other}") is not None:
-                burned = f", {row[other]['burned_cores']:.2f} cores burned" if other == "matched" else ""
-                ratios.append(f"tito/{other} {row[f'tito/{other}']:.2f} ({wl.metric}{burned})")
-            if row.get(f"tito-{other}_p50_ms") is not None:
-                ratios.append(f"tito-{other} p50 {row[f'tito-{other}_p50_ms']:+.2f} ms")
-        if ratios:
-            print(f"{'':<12} {'':<10} " + "; ".join(ratios))
-    print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
-    print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
-    for s, m in summary["memory"].items():
-        if isinstance(m, dict):
-            print(f"  {s:<10} {m['server_rss_mb']:8.0f} (USS {m['server_uss_mb']:6.0f}) / {m['engine_rss_mb']:8.0f}")
-    if "tito_own_mb" in summary["memory"]:
-        print(f"tito's own share (USS of tito's process minus USS of the in-process engine client): "
-              f"{summary['memory']['tito_own_mb']:.0f} MB")
-
-
-def write_chart(path: Path, summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
-        return False
-    names = [w.name for w in workloads]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(systems), 1)
-    for k, s in enumerate(systems):
-        xs = [i + k * width for i in range(len(names))]
-        tps = [summary["workloads"][n][s]["tok_s"] or 0 for n in names]
-        p50 = [summary["workloads"][n][s]["p50_ms"] or 0 for n in names]
-        ax1.bar(xs, tps, width, label=s)
-        ax2.bar(xs, p50, width, label=s)
-    for ax, title, unit in ((ax1, "throughput", "generated tokens/s"), (ax2, "latency p50", "ms")):
-        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-        ax.legend()
-    ax2.set_yscale("log")
-    fig.suptitle("tito benchmark (medians over rounds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -742,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
     model = ns.model
     if model is None:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
     model = str(Path(model).resolve())

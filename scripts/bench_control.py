@@ -26,7 +26,8 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench import MAX_MODEL_LEN, Workload, _kill_group  # noqa: E402
+from bench import MAX_MODEL_LEN, _kill_group  # noqa: E402
+from loadgen import Workload  # noqa: E402
 
 PROBES = ("health", "is_paused", "pause_resume")
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         model = ns.model
         if model is None:
-            from app.tiny_model import make_tiny_model
+            from app.tiny.model import make_tiny_model
 
             model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
         port = free_port()

@@ -32,12 +32,14 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import bench  # noqa: E402 - scripts/bench.py: workloads, closed loop, HTTP load generator, CPU accounting
+import bench  # noqa: E402 - scripts/bench.py: its workloads and worker mode
+import loadgen  # noqa: E402 - the closed loop, the HTTP load generator, CPU accounting
+from bench_report import fmt  # noqa: E402
 
 TRANSPORTS = ("http", "grpc")
 
 
-async def grpc_load(target: str, wl: bench.Workload) -> dict[str, Any]:
+async def grpc_load(target: str, wl: loadgen.Workload) -> dict[str, Any]:
     """Closed-loop load over gRPC: one channel per client (as the HTTP generator keeps one connection per client)."""
     import grpc
     from smg_grpc_proto import vllm_engine_pb2 as pb
@@ -45,8 +47,8 @@ async def grpc_load(target: str, wl: bench.Workload) -> dict[str, Any]:
 
     requests = []
     for i in range(wl.requests):
-        prompt, mt = bench.request_spec(wl, i)
-        sp = bench.sampling(mt)
+        prompt, mt = loadgen.request_spec(wl, i)
+        sp = loadgen.sampling(mt)
         requests.append(pb.GenerateRequest(
             tokenized=pb.TokenizedInput(input_ids=prompt), stream=wl.stream,
             sampling_params=pb.SamplingParams(max_tokens=sp["max_tokens"], temperature=sp["temperature"],
@@ -64,25 +66,25 @@ async def grpc_load(target: str, wl: bench.Workload) -> dict[str, Any]:
         return got
 
     try:
-        return await bench.closed_loop(wl, send)
+        return await loadgen.closed_loop(wl, send)
     finally:
         for ch in channels:
             await ch.close()
 
 
-def _load(transport: str, server: Any, grpc_target: str, wl: bench.Workload, logs: Path) -> dict[str, Any]:
+def _load(transport: str, server: Any, grpc_target: str, wl: loadgen.Workload, logs: Path) -> dict[str, Any]:
     from tests.helpers import engine_env
 
     if transport == "http":
         cmd = bench._self_cmd("--_load", server.url, json.dumps(asdict(wl)))  # bench.py's own worker mode
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_grpc_load", grpc_target, json.dumps(asdict(wl))]
-    c0 = bench.process_cpu_s(server.proc.pid)
-    res, _ = bench._worker_json(cmd, bench.LOAD_TIMEOUT_S + 60, logs / "load.log", engine_env())
-    return bench.with_cpu(res, bench.process_cpu_s(server.proc.pid) - c0)
+    c0 = loadgen.process_cpu_s(server.proc.pid)
+    res, _ = bench._worker_json(cmd, loadgen.LOAD_TIMEOUT_S + 60, logs / "load.log", engine_env())
+    return loadgen.with_cpu(res, loadgen.process_cpu_s(server.proc.pid) - c0)
 
 
-def run(model: str, workloads: list[bench.Workload], rounds: int, logs: Path, start_timeout: float) -> list[Any]:
+def run(model: str, workloads: list[loadgen.Workload], rounds: int, logs: Path, start_timeout: float) -> list[Any]:
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
 
     port, gport = free_port(), free_port()
@@ -109,7 +111,7 @@ def run(model: str, workloads: list[bench.Workload], rounds: int, logs: Path, st
     return out
 
 
-def table(rounds: list[dict[str, Any]], workloads: list[bench.Workload]) -> tuple[str, dict[str, Any]]:
+def table(rounds: list[dict[str, Any]], workloads: list[loadgen.Workload]) -> tuple[str, dict[str, Any]]:
     def med(t: str, wl: str, key: str) -> float | None:
         vals = [r[t][wl][key] for r in rounds if r[t][wl].get(key) is not None]
         return statistics.median(vals) if vals else None
@@ -123,9 +125,9 @@ def table(rounds: list[dict[str, Any]], workloads: list[bench.Workload]) -> tupl
                                                   "client_cpu_ms_per_req")}
             s["errors"] = sum(r[t][wl.name]["errors"] for r in rounds)
             summary.setdefault(wl.name, {})[t] = s
-            rows.append(f"| {wl.name} | {t} | {bench._fmt(s['tok_s'])} | {bench._fmt(s['req_s'], 1)} | "
-                        f"{bench._fmt(s['p50_ms'], 1)} | {bench._fmt(s['cpu_ms_per_req'], 2)} | "
-                        f"{bench._fmt(s['client_cpu_ms_per_req'], 2)} | {s['errors']} |")
+            rows.append(f"| {wl.name} | {t} | {fmt(s['tok_s'])} | {fmt(s['req_s'], 1)} | "
+                        f"{fmt(s['p50_ms'], 1)} | {fmt(s['cpu_ms_per_req'], 2)} | "
+                        f"{fmt(s['client_cpu_ms_per_req'], 2)} | {s['errors']} |")
     return "\n".join(rows), summary
 
 
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
         target, spec = ns._grpc_load
         c0 = time.process_time()
-        res = asyncio.run(grpc_load(target, bench.Workload(**json.loads(spec))))
+        res = asyncio.run(grpc_load(target, loadgen.Workload(**json.loads(spec))))
         res["client_cpu_ms_per_req"] = (time.process_time() - c0) * 1000.0 / max(res["ok"], 1)
         print(json.dumps(res))
         return 0
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [bench.WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
     model = ns.model
     if model is None:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
     out = Path(ns.out)

@@ -53,7 +53,7 @@ ONEDNN_FRAMES = ("dispatch_cpu_unquantized_gemm (", "create_onednn_mm (")
 def write_checkpoints(work: Path) -> tuple[Path, list[Path]]:
     from safetensors.torch import save_file
 
-    from app.tiny_model import tiny_state_dict
+    from app.tiny.model import tiny_state_dict
 
     model = work / "model"
     steps = [work / "step_1", work / "step_2"]

@@ -1,10 +1,10 @@
-"""Regenerate tito's Python modules for vLLM's native gRPC services from ``app/proto/*.proto``.
+"""Regenerate tito's Python modules for vLLM's native gRPC services from ``app/grpc/proto/*.proto``.
 
-The generated modules are committed (``app/proto/*_pb2*.py``), so serving needs no code generator; this script needs
-``grpcio-tools`` (the ``test`` extra). ``--check`` regenerates into a temporary directory and exits 1 when the
-committed modules differ (tests/test_sidecar_grpc_unit.py runs it).
+The generated modules are committed (``app/grpc/proto/*_pb2*.py``), so serving needs no code generator; this script
+needs ``grpcio-tools`` (the ``test`` extra). ``--check`` regenerates into a temporary directory and exits 1 when the
+committed modules differ (tests/test_sidecar_unit.py runs it).
 
-    python scripts/gen_protos.py            # rewrite app/proto/*_pb2*.py
+    python scripts/gen_protos.py            # rewrite app/grpc/proto/*_pb2*.py
     python scripts/gen_protos.py --check    # are they up to date?
 """
 
@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "app" / "proto"
-PACKAGE = "app.proto"
+PROTO_DIR = ROOT / "app" / "grpc" / "proto"
+PACKAGE = "app.grpc.proto"
 
 
 def generate(out: Path) -> list[Path]:
-    """Run protoc on every .proto in app/proto into ``out``; returns the files written."""
+    """Run protoc on every .proto in app/grpc/proto into ``out``; returns the files written."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -34,7 +34,7 @@ def generate(out: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = sorted(p for p in out.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
-    # protoc writes `import x_pb2` (a top-level module); inside the package it must be `from app.proto import ...`.
+    # protoc writes `import x_pb2` (a top-level module); inside the package it must be `from app.grpc.proto import ...`.
     stems = [Path(p).stem for p in protos]
     for f in written:
         text = f.read_text()
@@ -58,7 +58,7 @@ def main() -> int:
     if stale:
         print(f"out of date: {', '.join(stale)}; run python scripts/gen_protos.py", file=sys.stderr)
         return 1
-    print("app/proto modules are up to date")
+    print("app/grpc/proto modules are up to date")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Rewrite README's flag table from app/settings.py (``--check`` exits 1 if README is stale)."""
+"""Rewrite README's flag table from app/core/settings.py (``--check`` exits 1 if README is stale)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.settings import flags_markdown  # noqa: E402
+from app.core.settings import flags_markdown  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 PATTERN = re.compile(r"(<!-- flags:start -->\n).*?(<!-- flags:end -->)", re.S)

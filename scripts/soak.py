@@ -42,7 +42,7 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench import GEN_PATH, _Conn  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
+from loadgen import GEN_PATH, _Conn, sse_events  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
 
 MAX_MODEL_LEN = 512
 
@@ -74,16 +74,8 @@ def parse_sse(body: bytes) -> tuple[list[int], str | None, list[dict[str, Any]] 
     finish: str | None = None
     spans: list[dict[str, Any]] | None = None
     errors: list[Any] = []
-    done = False
-    for event in body.split(b"\n\n"):
-        line = event.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            done = True
-            break
-        ev = json.loads(payload)
+    events, done = sse_events(body)
+    for ev in events:
         if "error" in ev:
             errors.append(ev["error"])
             continue
@@ -253,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.checkpoints:
         ckpts = [str(Path(x).resolve()) for x in ns.checkpoints.split(",") if x]
     else:
-        from app.tiny_model import make_tiny_model
+        from app.tiny.model import make_tiny_model
 
         ckpts = [str(make_tiny_model(out / "soak" / "ckpt-a")), str(make_tiny_model(out / "soak" / "ckpt-b", seed=1))]
     server = None

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.tiny_model import make_tiny_model
+from app.tiny.model import make_tiny_model
 from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
 
@@ -117,7 +117,7 @@ def first_answers(s: ServerProcess) -> dict[str, httpx.Response]:
 
 def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where ``long_tito``'s worker looks for a fault to inject into its next weight load (``TITO_TEST_FAULT_FILE``,
-    app/worker_ext.py); read and removed by that load, so without the file every load is normal."""
+    app/engine/worker.py); read and removed by that load, so without the file every load is normal."""
     return tmp_path_factory.getbasetemp() / "long-tito-fault"
 
 

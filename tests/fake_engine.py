@@ -1,4 +1,4 @@
-"""A fake of the engine adapter (``app.engine.Engine``) for fast HTTP-logic tests: ``create_app(settings,
+"""A fake of the engine adapter (``app.engine.adapter.Engine``) for fast HTTP-logic tests: ``create_app(settings,
 engine=FakeEngine())``. It implements the adapter's interface and answers like it (outputs shaped like vLLM's
 ``RequestOutput``), with no model behind it: the tokens it "generates" count up from the prompt's last id.
 
@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.engine import EngineDead, EngineRejected, ModelFacts
+from app.engine.adapter import EngineDead, EngineRejected, ModelFacts
 
-# The limits of the tiny test model (app/tiny_model.py), so the real-engine tests' bad-input cases apply unchanged.
+# The limits of the tiny test model (app/tiny/model.py), so the real-engine tests' bad-input cases apply unchanged.
 FACTS = ModelFacts(name="fake-model", path="/models/fake", dtype="float32", max_model_len=512, vocab_size=512,
                    max_num_seqs=16, max_logprobs=20, priority_scheduling=False, data_parallel_size=1,
                    tensor_parallel_size=1, pipeline_parallel_size=1, enable_lora=False, max_loras=0, max_lora_rank=0)

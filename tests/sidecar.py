@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import httpx
 
-from app.proto import vllm_control_pb2_grpc as cpb_grpc
-from app.proto import vllm_inference_pb2 as ipb
-from app.proto import vllm_inference_pb2_grpc as ipb_grpc
+from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
+from app.grpc.proto import vllm_inference_pb2 as ipb
+from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
 from tests.helpers import ServerProcess, engine_env, free_port
 
 MODEL = "tiny"  # the replicas' --served-model-name

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import psutil
 
-from app.tiny_model import TINY_CONFIG, make_tiny_model
+from app.tiny.model import TINY_CONFIG, make_tiny_model
 
 GEN = "/inference/v1/generate"
 

@@ -76,11 +76,19 @@ def _bench_module() -> Any:
     return mod
 
 
+def _loadgen_module() -> Any:
+    """scripts/loadgen.py, the load generator bench.py imports (loading bench.py puts scripts/ on the path)."""
+    _bench_module()
+    import loadgen
+
+    return loadgen
+
+
 def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
     """The lean load generator against a scripted HTTP server: a good answer, a 500, a short answer, a connection
     dropped before the answer, an answer that closes the connection, and a good one again. Every failure is counted
     (none is fatal, none hangs) and the client reconnects after a drop."""
-    bench = _bench_module()
+    loadgen = _loadgen_module()
     good = orjson.dumps({"choices": [{"token_ids": [7, 8]}]})
     short = orjson.dumps({"choices": [{"token_ids": [7]}]})
     script = [
@@ -116,8 +124,8 @@ def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            wl = bench.Workload("scripted", 1, 2, False, len(script), "req/s")
-            return await asyncio.wait_for(bench.raw_load(f"http://127.0.0.1:{port}", wl), 30)
+            wl = loadgen.Workload("scripted", 1, 2, False, len(script), "req/s")
+            return await asyncio.wait_for(loadgen.raw_load(f"http://127.0.0.1:{port}", wl), 30)
 
     res = asyncio.run(run())
     assert len(seen) == len(script)  # every request reached the server, in order, over reconnects
@@ -128,13 +136,13 @@ def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
 
 
 def test_stream_answers_are_checked_event_by_event() -> None:
-    bench = _bench_module()
+    loadgen = _loadgen_module()
     ok = b'data: {"choices":[{"token_ids":[1,2]}]}\n\ndata: {"choices":[{"token_ids":[3]}]}\n\ndata: [DONE]\n\n'
-    assert bench._count_tokens(ok, True) == 3
+    assert loadgen._count_tokens(ok, True) == 3
     with pytest.raises(RuntimeError, match="without \\[DONE\\]"):
-        bench._count_tokens(ok.replace(b"data: [DONE]\n\n", b""), True)
+        loadgen._count_tokens(ok.replace(b"data: [DONE]\n\n", b""), True)
     with pytest.raises(RuntimeError, match="error event"):
-        bench._count_tokens(b'data: {"error":{"message":"x"}}\n\ndata: [DONE]\n\n', True)
+        loadgen._count_tokens(b'data: {"error":{"message":"x"}}\n\ndata: [DONE]\n\n', True)
 
 
 def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.tiny_model import tiny_state_dict
+from app.tiny.model import tiny_state_dict
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port, restore_server
 from tests.test_weights import PROMPTS, Background, greedy, reference_greedy
 

@@ -57,7 +57,7 @@ def test_every_command_has_help() -> None:
 
 
 def test_serve_help_lists_every_flag_with_its_env_variable() -> None:
-    from app.settings import FLAGS
+    from app.core.settings import FLAGS
 
     out = " ".join(tito("serve", "--help").stdout.split())
     for f in FLAGS:

@@ -281,7 +281,7 @@ def _write_adapter(path: Path, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from app.tiny_model import TINY_CONFIG as C
+    from app.tiny.model import TINY_CONFIG as C
 
     gen = torch.Generator().manual_seed(seed)
     path.mkdir(parents=True, exist_ok=True)

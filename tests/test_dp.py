@@ -77,7 +77,7 @@ def test_bad_rank_is_400(client: httpx.Client, bad: str) -> None:
 
 
 def test_vllm_grpc_services_see_both_cores(server: ServerProcess, client: httpx.Client) -> None:
-    from app.proto import vllm_control_pb2 as cpb
+    from app.grpc.proto import vllm_control_pb2 as cpb
     from tests.sidecar import control, gen, inference, joined
 
     info = client.get("/server_info").json()

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from app.client import AsyncTitoClient, TitoError
+from app.core.settings import Settings
 from app.main import create_app
-from app.settings import Settings
 from tests.fake_engine import FakeEngine
 from tests.test_bad_input import CASES
 
@@ -40,7 +40,7 @@ def test_the_fake_has_the_adapters_interface() -> None:
     """Every public method and property of app.engine.Engine, with the same parameter names: the fake cannot drift."""
     import inspect
 
-    from app.engine import Engine
+    from app.engine.adapter import Engine
 
     for name, member in vars(Engine).items():
         if name.startswith("_") or name == "start":
@@ -251,12 +251,12 @@ async def test_client_against_the_app() -> None:
 
 
 async def test_status_capture_feeds_the_request_counter_and_the_request_log(caplog: pytest.LogCaptureFixture) -> None:
-    """One status-capturing send (app.metrics.StatusSend) serves both middlewares."""
+    """One status-capturing send (app.core.metrics.StatusSend) serves both middlewares."""
     import logging
 
     from prometheus_client import REGISTRY
 
-    from app.reqlog import RequestLog
+    from app.server.reqlog import RequestLog
 
     def count(route: str, status: str) -> float:
         return REGISTRY.get_sample_value("tito_requests_total", {"route": route, "status": status}) or 0.0

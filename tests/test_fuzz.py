@@ -22,7 +22,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from app.security import Plane, classify
+from app.server.security import Plane, classify
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess
 

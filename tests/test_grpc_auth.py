@@ -1,4 +1,4 @@
-"""gRPC keys and health states, on tito's real gRPC server (``app/grpc_server.py``) over a stand-in state (no engine:
+"""gRPC keys and health states, on tito's real gRPC server (``app/grpc/server.py``) over a stand-in state (no engine:
 the key check and the health answers read nothing else). With ``--api-key`` every VllmEngine call needs
 ``authorization: Bearer <key>``; health, the engine's HealthCheck and reflection stay open."""
 
@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from app.grpc_server import ENGINE_SERVICE, GrpcServer
-from app.protocol import ApiError
-from app.settings import Settings
+from app.core.protocol import ApiError
+from app.core.settings import Settings
+from app.grpc.server import ENGINE_SERVICE, GrpcServer
 from tests.helpers import free_port
 
 KEY = "grpc-key"

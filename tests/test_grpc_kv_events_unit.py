@@ -1,4 +1,4 @@
-"""Fast tests (no engine) of the SubscribeKvEvents relay (app/grpc_kv_events.py): the conversion of vLLM's own
+"""Fast tests (no engine) of the SubscribeKvEvents relay (app/grpc/kv_events.py): the conversion of vLLM's own
 msgpack-encoded KV-event batches, and the live + replay feed against vLLM's real ZMQ publisher (its PUB and replay
 ROUTER sockets run in a thread of this process). The engine test is in test_grpc.py."""
 
@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from app.grpc_kv_events import CursorExpired, convert_batch, stream_batches, to_int64
+from app.grpc.kv_events import CursorExpired, convert_batch, stream_batches, to_int64
 from tests.helpers import free_port
 
 H1, H2 = bytes(range(32)), b"\xff" * 32  # sha256-sized block hashes, as vLLM publishes by default

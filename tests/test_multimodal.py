@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.multimodal import (
+from app.core.multimodal import (
     NO_MM,
     Features,
     MediaPart,
@@ -25,8 +25,8 @@ from app.multimodal import (
     normalize_features,
     parse_request,
 )
-from app.protocol import ApiError
-from app.tiny_vlm import FAKE_ID, GLOBAL_ID, IMAGE_ID, IMAGE_SEQ_LEN, make_tiny_vlm
+from app.core.protocol import ApiError
+from app.tiny.vlm import FAKE_ID, GLOBAL_ID, IMAGE_ID, IMAGE_SEQ_LEN, make_tiny_vlm
 from tests.conftest import start_tito
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port
 from tests.test_generate import sse_events

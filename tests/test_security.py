@@ -18,13 +18,13 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
+from app.core.protocol import ApiError, GenerateRequest
+from app.core.settings import Settings
+from app.engine.safe_pickle import UnsafePickleError, restricted_loads
+from app.engine.sampling import Limits, build_sampling_params, check_prompt, configured_limits
 from app.main import create_app
-from app.paths import allowed_roots, resolve_allowed
-from app.protocol import ApiError, GenerateRequest
-from app.safe_pickle import UnsafePickleError, restricted_loads
-from app.sampling import Limits, build_sampling_params, check_prompt, configured_limits
-from app.security import Keys, Plane, classify
-from app.settings import Settings
+from app.server.security import Keys, Plane, classify
+from app.weights.paths import allowed_roots, resolve_allowed
 from tests.conftest import ADMIN_KEY, DATA_KEY, KEYED_MAX_MODEL_LEN
 from tests.helpers import ServerProcess, restore_server
 
@@ -590,7 +590,7 @@ def test_e2e_malicious_broadcast_metadata_runs_nothing(secured, admin, data, tmp
 
 # A tiny app is also enough to show the middleware needs nothing else from tito.
 def test_middleware_is_standalone():
-    from app.security import ApiKeyAuth
+    from app.server.security import ApiKeyAuth
 
     app = FastAPI()
 

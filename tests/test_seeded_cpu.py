@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.tiny_model import TINY_CONFIG, make_tiny_model, tiny_state_dict
+from app.tiny.model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, greedy_answer, metric_value
 from tests.test_weights import GEN, PROMPTS, greedy, write_step

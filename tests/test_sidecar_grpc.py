@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from app.proto import vllm_control_pb2 as cpb
-from app.proto import vllm_inference_pb2 as ipb
+from app.grpc.proto import vllm_control_pb2 as cpb
+from app.grpc.proto import vllm_inference_pb2 as ipb
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.sidecar import (
     FINISH,

@@ -24,8 +24,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from app.proto import vllm_control_pb2 as cpb
-from app.tiny_model import tiny_state_dict
+from app.grpc.proto import vllm_control_pb2 as cpb
+from app.tiny.model import tiny_state_dict
 from tests.helpers import TIMING, ServerProcess, metric_value, restore_server
 from tests.sidecar import (
     BLOCK,

@@ -16,15 +16,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from app.detokenize import Detokenizer
-from app.grpc_server import GrpcServer
-from app.grpc_vllm import is_loopback_peer
-from app.grpc_vllm_inference import to_generate_request
-from app.proto import vllm_control_pb2 as cpb
-from app.proto import vllm_control_pb2_grpc as cpb_grpc
-from app.proto import vllm_inference_pb2 as ipb
-from app.proto import vllm_inference_pb2_grpc as ipb_grpc
-from app.protocol import ApiError
+from app.core.protocol import ApiError
+from app.grpc.detokenize import Detokenizer
+from app.grpc.proto import vllm_control_pb2 as cpb
+from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
+from app.grpc.proto import vllm_inference_pb2 as ipb
+from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
+from app.grpc.server import GrpcServer
+from app.grpc.vllm_inference import to_generate_request
+from app.grpc.vllm_native import is_loopback_peer
 from tests.helpers import ROOT
 from tests.test_grpc_auth import ADMIN, KEY, StandInState, _code
 
@@ -275,8 +275,8 @@ async def test_no_keys_means_open_and_health_follows_readiness(
 
 
 def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
-    from app.dynamo_sidecar import sidecar_command
-    from app.settings import Settings
+    from app.core.settings import Settings
+    from app.dynamo.sidecar import sidecar_command
 
     base = Settings(dynamo_namespace="rl", port=8000)
     with pytest.raises(SystemExit, match="--grpc-port"):
@@ -304,7 +304,7 @@ def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
 
 
 def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
-    from app.dynamo_sidecar import stop
+    from app.dynamo.sidecar import stop
 
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from app.tiny_model import make_tiny_model
+from app.tiny.model import make_tiny_model
 from tests.helpers import ROOT, ServerProcess
 
 

@@ -1,4 +1,4 @@
-"""Fast tests (no engine): both clients build the same requests and share one retry policy (app/client_wire.py)."""
+"""Fast tests (no engine): both clients build the same requests and share one retry policy (app/client/wire.py)."""
 
 from __future__ import annotations
 

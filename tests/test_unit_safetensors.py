@@ -1,4 +1,5 @@
-"""Fast tests (no engine): the one safetensors header reader (app/safetensors_meta.py) names every broken file."""
+"""Fast tests (no engine): the one safetensors header reader (app/weights/safetensors_meta.py) names every broken
+file."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.safetensors_meta import DTYPE_BITS, HeaderError, TensorMeta, read_tensors
+from app.weights.safetensors_meta import DTYPE_BITS, HeaderError, TensorMeta, read_tensors
 
 
 @pytest.fixture

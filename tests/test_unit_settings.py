@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from app.cli import build_parser
-from app.paths import resolve_allowed
-from app.protocol import ApiError
-from app.safe_pickle import UnsafePickleError, restricted_loads
-from app.settings import FLAGS, Settings
+from app.core.protocol import ApiError
+from app.core.settings import FLAGS, Settings
+from app.engine.safe_pickle import UnsafePickleError, restricted_loads
+from app.weights.paths import resolve_allowed
 from tests.helpers import ROOT
 
 

@@ -4,9 +4,9 @@ change leaves the server paused and refusing work with a clear 503 ("inconsisten
 One server (the session's shared long-context one) for every way in: a shard read that fails after validation, a
 worker exception mid-load (vLLM's own loader), a layer that loads nothing, a trainer that dies mid-broadcast, a
 broadcast that times out mid-stream. The faults are injected through the worker's test-only hook
-(``TITO_TEST_FAULT_FILE``, app/worker_ext.py) or a sender that misbehaves (tests/weight_sender.py). Also issue 19: the
-rotary caches are bit-identical across updates, and the "RotaryEmbedding: Failed to load weights" warning is replaced
-by one INFO line per update."""
+(``TITO_TEST_FAULT_FILE``, app/engine/worker.py) or a sender that misbehaves (tests/weight_sender.py). Also issue 19:
+the rotary caches are bit-identical across updates, and the "RotaryEmbedding: Failed to load weights" warning is
+replaced by one INFO line per update."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.tiny_model import tiny_state_dict
+from app.tiny.model import tiny_state_dict
 from tests.conftest import fault_file
 from tests.helpers import ServerProcess, free_port, greedy_answer, metric_value, restore_server
 from tests.test_broadcast import Sender, init

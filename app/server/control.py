@@ -1,0 +1,192 @@
+"""The control plane's one rule: pause, resume and weight updates are transitions, run one at a time, in order.
+
+Each transition holds ``ControlPlane.lock`` (an ``asyncio.Lock``: FIFO) from the moment it touches the engine until
+it has finished, and runs as its own task, so a client that disconnects or times out never leaves it half done.
+Defined outcomes of concurrent calls:
+
+- Calls queue in arrival order; each sees the engine as the previous one left it. A weight update holds its place in
+  the queue like any other transition: a ``/pause`` sent during an update is applied after the update (the update's
+  own resume cannot undo it), a ``/resume`` sent during an update resumes after it.
+- ``/pause?mode=wait`` that does not drain within its timeout is *cancelled*: tito resumes the engine (if this call
+  paused it) before answering 504, so no pause lands later. A ``/resume`` that arrives while a ``mode=wait`` pause is
+  still draining supersedes it: the pause is cancelled the same way and answers 409, then the resume runs. The last
+  call wins.
+- A call that cannot get its turn within its own timeout changes nothing and answers 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from app.core import metrics
+from app.core.protocol import ApiError
+
+if TYPE_CHECKING:
+    from app.engine.adapter import Engine
+    from app.weights.updates import WeightManager
+
+log = logging.getLogger("tito.control")
+T = TypeVar("T")
+# Bound on a plain engine call (resume, is_paused): they answer in milliseconds unless the engine is stuck.
+ENGINE_CALL_TIMEOUT_S = 60.0
+
+
+class ControlPlane:
+    """One per server (``AppState.control``)."""
+
+    def __init__(self, engine: Engine, weights: WeightManager, *, inflight: Callable[[], int]) -> None:
+        """``weights``: the update in progress and the weights' consistency; ``inflight()`` counts the requests in
+        flight."""
+        self.engine = engine
+        self.weights = weights
+        self._inflight = inflight
+        self.lock = asyncio.Lock()
+        self.holder: str | None = None  # what holds the lock now, for error messages and /server_info
+        self.queued = 0
+        self.updates = 0  # weight updates queued or running under the lock (guard)
+        # Set by a /resume that arrives while a mode=wait pause is draining: that pause gives way.
+        self._supersede: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.paused_mode: str | None = None  # the mode of the pause this plane applied last (None: resumed)
+        # The last transitions in the order they ran: (name, outcome), for /server_info and for tests.
+        self.history: deque[tuple[str, str]] = deque(maxlen=32)
+
+    async def run(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None) -> T:
+        """Run ``fn`` as the next transition, in its own task; ``wait`` bounds the time spent queued (409 then)."""
+        task = asyncio.ensure_future(self._locked(name, fn, wait))
+        self._tasks.add(task)  # a reference until done: the task outlives a cancelled caller
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    def guard(self, name: str, fn: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+        """``fn`` wrapped to run under the lock, for callers that already run in a task of their own (an update)."""
+
+        async def guarded() -> T:
+            self.updates += 1
+            try:
+                return await self._locked(name, fn, None)
+            finally:
+                self.updates -= 1
+
+        return guarded
+
+    async def _locked(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None) -> T:
+        self.queued += 1
+        try:
+            if wait is None:
+                await self.lock.acquire()
+            else:
+                try:
+                    await asyncio.wait_for(self.lock.acquire(), wait)
+                except TimeoutError:
+                    raise ApiError(409, f"{name}: {self.holder or 'another control call'} was still running after "
+                                        f"{wait:g}s; nothing was changed, retry later.") from None
+        finally:
+            self.queued -= 1
+        self.holder = name
+        outcome = "error"
+        try:
+            out = await fn()
+            outcome = "ok"
+            return out
+        except ApiError as e:
+            outcome = str(e.status)
+            raise
+        finally:
+            self.history.append((name, outcome))
+            self.holder = None
+            self.lock.release()
+
+    def info(self) -> dict[str, Any]:
+        return {"running": self.holder, "queued": self.queued, "paused_mode": self.paused_mode,
+                "recent": [{"call": n, "outcome": o} for n, o in self.history]}
+
+    # ------------------------------------------------------------------ transitions
+
+    async def after_update(self, wait: float) -> None:
+        """Wait (up to ``wait`` s, else 409) for a weight update that runs outside this queue (a retry joining it)."""
+        mgr = self.weights
+        if mgr.busy and not self.updates:
+            # Also a native update (/start_weight_update .. /finish_weight_update), which holds no task of its own.
+            log.info("control call waits for the running weight update")
+            if not await mgr.wait_idle(wait):
+                raise ApiError(409, f"a weight update is still running after {wait:g}s; retry later.")
+
+    async def pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
+        async def do() -> None:
+            await self._pause(mode, clear_cache, timeout)
+
+        await self.after_update(timeout)
+        await self.run(f"pause (mode={mode})", do, timeout)
+
+    async def _pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
+        eng = self.engine
+        was_paused = await eng.is_paused()
+        task = asyncio.ensure_future(eng.pause(mode=mode, clear_cache=clear_cache))
+        if mode != "wait":
+            await task  # abort and keep return as soon as the engine has frozen or aborted its requests
+            self._paused(mode)
+            return
+        supersede = self._supersede = asyncio.Event()
+        given_way = asyncio.ensure_future(supersede.wait())
+        # ``timeout`` bounds the wait for in-flight requests; with none there is nothing to drain, and the engine's
+        # own round trip gets the usual engine-call bound (a timeout of 1e-300 must not turn an idle pause into 504).
+        limit = timeout if self._inflight() else max(timeout, ENGINE_CALL_TIMEOUT_S)
+        try:
+            done, _ = await asyncio.wait({task, given_way}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            given_way.cancel()
+            self._supersede = None
+        if task in done:
+            task.result()  # raises the engine's error, if any
+            self._paused(mode)
+            return
+        # Not drained in time, or a /resume came: cancel this pause. vLLM stops admitting at once and completes the
+        # pause when the last request ends; resuming now (unless the engine was paused before this call) means
+        # nothing of this call lands later. The pending engine future then only clears caches.
+        task.add_done_callback(_quiet)
+        if not was_paused:
+            await eng.resume()
+            self._paused(None)
+        elif self.paused_mode == "keep":
+            await eng.pause(mode="keep", clear_cache=False)  # mode=wait had let the frozen requests step again
+        if supersede.is_set():
+            log.info("pause (mode=wait) superseded by a later /resume before it drained; cancelled")
+            raise ApiError(409, "pause (mode=wait) was superseded by a later /resume before the engine drained; "
+                                "the pause was cancelled.")
+        log.warning("pause (mode=wait) did not drain within %gs; cancelled, generation continues", timeout)
+        raise ApiError(504, f"pause (mode=wait) did not drain within {timeout:g}s; the pause was cancelled and "
+                            "generation continues.")
+
+    async def resume(self, wait: float) -> None:
+        if self._supersede is not None:
+            self._supersede.set()  # the last call wins: a draining mode=wait pause gives way to this resume
+
+        async def do() -> None:
+            bad = self.weights.inconsistent
+            if bad is not None:
+                # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
+                raise ApiError(409, f"{bad.message()} before resuming; /resume is refused until then.")
+            try:
+                await asyncio.wait_for(self.engine.resume(), ENGINE_CALL_TIMEOUT_S)
+            except TimeoutError:
+                raise ApiError(504, f"resume did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
+            self._paused(None)
+
+        await self.after_update(wait)
+        await self.run("resume", do, wait)
+
+
+    def _paused(self, mode: str | None) -> None:
+        self.paused_mode = mode
+        metrics.PAUSED.set(0 if mode is None else 1)
+
+
+def _quiet(fut: asyncio.Future[Any]) -> None:
+    """Retrieve a cancelled pause's late outcome so asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()

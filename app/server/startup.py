@@ -1,0 +1,112 @@
+"""Start-up: the port answers from the first second, the engine starts behind it.
+
+uvicorn binds its socket only once the lifespan's start-up part has returned, so the lifespan starts the engine in a
+background task (``Engine.start`` blocks for tens of seconds: it runs in a thread) and returns at once. Until the
+engine is up and warm, ``app.state.tito`` is None and every route says so: ``/health`` 503 ``{"status":
+"starting"}``, ``/ready`` 503 reason ``starting``, ``/liveness`` 503, generate and admin routes 503 "server is
+starting" with ``Retry-After``. If the engine cannot start, the cause is logged and the process exits non-zero.
+
+Other servers that need the engine (a gRPC front end, ...) start once it is up and stop before it goes down: add them
+to ``app.state.services`` (see ``Service``); ``start_services`` / ``stop_services`` run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import multiprocessing
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from app import __version__
+from app.engine.adapter import Engine
+from app.engine.sampling import configured_limits
+from app.server.state import AppState
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from app.core.settings import Settings
+
+log = logging.getLogger("tito")
+
+# Exit code when the engine could not start (the server had bound its port already).
+START_FAILED = 3
+
+
+class Service(Protocol):
+    """Something that serves beside HTTP once the engine is up (e.g. a gRPC server)."""
+
+    name: str
+
+    async def start(self, state: AppState) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def start_services(app: FastAPI, state: AppState) -> None:
+    for svc in getattr(app.state, "services", []):
+        await svc.start(state)
+        log.info("%s started", svc.name)
+
+
+async def stop_services(app: FastAPI) -> None:
+    for svc in reversed(getattr(app.state, "services", [])):
+        try:
+            await svc.stop()
+        except Exception:  # noqa: BLE001 - the others and the engine must still stop
+            log.exception("stopping %s failed", svc.name)
+
+
+async def bring_up(app: FastAPI, engine: Engine) -> AppState:
+    """Everything after the engine exists: the state, warm-up, other services; publish the state (ready)."""
+    settings: Settings = app.state.settings
+    state = AppState(settings=settings, engine=engine)
+    # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
+    state.engine_processes = multiprocessing.active_children()
+    state.limits = configured_limits(state.limits, settings)
+    app.state.starting_state = state  # for the lifespan's shutdown, should it come before the start ends
+    if settings.warmup:
+        await engine.warmup()
+    await start_services(app, state)
+    # Everything allocated so far (vLLM, torch, the app) lives for the whole run: move it out of the cyclic GC's
+    # reach, so collections during serving only scan request garbage.
+    gc.collect()
+    gc.freeze()
+    state.ready = True
+    app.state.tito = state
+    log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
+    return state
+
+
+async def start_engine(app: FastAPI) -> AppState:
+    """The background start: build the engine in a thread (the loop keeps answering), then ``bring_up``.
+
+    A failure is logged with its cause and ends the process with ``START_FAILED``."""
+    settings: Settings = app.state.settings
+    t0 = time.monotonic()
+    building = app.state.engine_build = asyncio.ensure_future(asyncio.to_thread(Engine.start, settings))
+    try:
+        engine = await asyncio.shield(building)
+    except BaseException as e:
+        _fail(app, f"engine failed to start after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", e)
+        raise
+    try:
+        return await bring_up(app, engine)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        _fail(app, f"engine start-up failed: {type(e).__name__}: {e}", e)
+        raise
+
+
+def _fail(app: FastAPI, message: str, exc: BaseException) -> None:
+    if isinstance(exc, asyncio.CancelledError):
+        return  # a shutdown during the start: not a failure
+    log.error("%s", message, exc_info=exc)
+    app.state.start_error = message
+    request_exit = getattr(app.state, "request_exit", None)
+    if request_exit is not None:
+        log.error("exiting with code %d", START_FAILED)
+        request_exit(START_FAILED)

@@ -1,0 +1,260 @@
+"""AppState: the one object that holds what the server knows, built in the lifespan, reached through dependencies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from app.core.metrics import DRAINING, INFLIGHT
+from app.core.protocol import ApiError
+from app.core.settings import Settings
+from app.engine.adapter import Engine, EngineDead, EngineRejected, ModelFacts
+from app.engine.sampling import Limits
+from app.server.control import ControlPlane
+from app.weights.lora import LoraEntry, LoraManager
+from app.weights.updates import WeightManager
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+GENERATE_PREFIX = "generate-tokens-"
+log = logging.getLogger("tito")
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: Engine
+    started_at: float = field(default_factory=time.time)
+    # Admission: draining/shutting-down refuse new generate requests; in-flight is counted for drain.
+    draining: bool = False
+    shutting_down: bool = False
+    ready: bool = False
+    inflight: int = 0
+    # {"time": epoch seconds, "cause": str} once the engine is found dead.
+    engine_failure: dict[str, Any] | None = None
+    # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
+    engine_processes: list[BaseProcess] = field(default_factory=list)
+    # In-flight requests: unique engine request id → the id the client sees ("generate-tokens-<client id>"), and
+    # that id → its engine ids. Clients may reuse an id; each request still gets its own engine id, so one client
+    # leaving (or an abort by engine id) ends only its own request.
+    live: dict[str, str] = field(default_factory=dict)
+    by_client: dict[str, set[str]] = field(default_factory=dict)
+    _seq: int = 0
+    drain_started_at: float | None = None
+    finished_since_drain: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        f = self.engine.facts
+        self.limits = Limits(vocab_size=f.vocab_size, max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
+                             max_logprobs=f.max_logprobs, priority_scheduling=f.priority_scheduling)
+        self._idle.set()
+        # Each manager gets what it uses (the engine, its settings, narrow callbacks), never this object: the
+        # arrows point one way, server -> weights -> engine.
+        # Weight updates: one at a time, idempotent, cancellation-safe (app/weights/updates.py).
+        self.weights = WeightManager(self.engine, self.settings.model, abort=self.abort,
+                                     check_engine=self.check_engine)
+        # LoRA adapters: registry and load/unload orchestration (app/weights/lora.py).
+        self.adapters = LoraManager(self.engine, self.settings, check_engine=self.check_engine,
+                                    inflight=lambda: self.inflight)
+        # Pause/resume/update transitions: one at a time, in arrival order (app/server/control.py).
+        self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version being served (the weight manager keeps it and sets it on each update)."""
+        return self.weights.version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.weights.version = version
+
+    @property
+    def loras(self) -> dict[str, LoraEntry]:
+        """Loaded LoRA adapters by name."""
+        return self.adapters.entries
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.engine.facts
+
+    # ------------------------------------------------------------------ admission
+
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise ApiError(503, f"engine is dead: {self.engine_death_cause()}")
+
+    def engine_error(self, e: BaseException, what: str, param_prefix: str = "") -> ApiError:
+        """The one mapping of an engine failure to an answer: dead → 503, input the engine refused → 400 (naming
+        the parameter when vLLM does), anything else → 500 (logged; no stack trace reaches the client)."""
+        e = self.engine.translate_error(e)
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, EngineDead):
+            return ApiError(503, f"engine is dead: {self.engine_death_cause()}")
+        if isinstance(e, EngineRejected):
+            return ApiError(400, str(e), param=f"{param_prefix}{e.parameter}" if e.parameter else None)
+        log.error("%s failed", what, exc_info=e)
+        return ApiError(500, f"{what} failed: {type(e).__name__}")
+
+    def engine_death_cause(self) -> str:
+        """Record (once) and return why the engine is dead: which engine process exited and how."""
+        if self.engine_failure is None:
+            self.engine_failure = {"time": time.time(), "cause": self._describe_death()}
+        return str(self.engine_failure["cause"])
+
+    def _describe_death(self) -> str:
+        dead = []
+        for p in self.engine_processes:
+            code = p.exitcode
+            if code is None:
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            dead.append(f"{p.name} (pid {p.pid}) {how}")
+        if dead:
+            return "; ".join(dead)
+        return "the engine's output loop stopped (EngineCore unreachable)"
+
+    def admit(self) -> None:
+        """Gate for new generate requests: raises 503 when the server will not take new work."""
+        self.check_engine()
+        if self.shutting_down:
+            raise ApiError(503, "server is shutting down; send the request to another replica.",
+                           headers={"Retry-After": "5"})
+        if self.draining:
+            raise ApiError(503, "server is draining; send the request to another replica.",
+                           headers={"Retry-After": "5"})
+        self.weights.check_consistent()
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the server does not take new work right now, or None when it does."""
+        if self.engine.errored:
+            return "engine_dead"
+        if self.shutting_down:
+            return "shutting_down"
+        if self.draining:
+            return "draining"
+        if self.weights.inconsistent is not None:
+            return "weights_inconsistent"
+        if not self.ready:
+            return "starting"
+        return None
+
+    # ------------------------------------------------------------------ in-flight requests
+
+    def enter(self, request_id: str) -> str:
+        """Count a request in flight under the id the client sees; returns its own, unique engine request id."""
+        self._seq += 1
+        engine_id = f"{request_id}-{self._seq:x}"
+        self.live[engine_id] = request_id
+        self.by_client.setdefault(request_id, set()).add(engine_id)
+        self.inflight += 1
+        INFLIGHT.inc()
+        self._idle.clear()
+        return engine_id
+
+    def leave(self, engine_id: str) -> None:
+        self.inflight -= 1
+        client_id = self.live.pop(engine_id, None)
+        if client_id is not None:
+            ids = self.by_client.get(client_id)
+            if ids is not None:
+                ids.discard(engine_id)
+                if not ids:
+                    del self.by_client[client_id]
+        INFLIGHT.dec()
+        if self.draining or self.shutting_down:
+            self.finished_since_drain += 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; True if reached within ``timeout`` seconds."""
+        if self.inflight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+
+    def resolve_ids(self, ids: list[str]) -> list[str]:
+        """Engine ids of the in-flight requests named by ``ids``: a client id or the ``generate-tokens-`` id names
+        every request that carries it; a unique engine id (``X-Engine-Request-Id``) names that one request."""
+        out: dict[str, None] = {}
+        for rid in ids:
+            if rid in self.live:
+                out[rid] = None
+            for cand in (rid, GENERATE_PREFIX + rid):
+                for eid in sorted(self.by_client.get(cand, ())):
+                    out[eid] = None
+        return list(out)
+
+    async def abort(self, ids: list[str] | None = None) -> int:
+        """Abort in-flight generate requests (all when ``ids`` is None); returns how many requests were hit.
+
+        Aborted requests still answer: partial tokens with ``finish_reason: "abort"``.
+        """
+        targets = list(self.live) if ids is None else self.resolve_ids(ids)
+        if not targets:
+            return 0
+        if not self.engine.errored:
+            await self.engine.abort(targets)
+        return len(targets)
+
+    # ------------------------------------------------------------------ drain
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_started_at = time.time()
+            self.finished_since_drain = 0
+            DRAINING.set(1)
+
+    def stop_drain(self) -> None:
+        self.draining = False
+        self.drain_started_at = None
+        DRAINING.set(0)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new work from now on (not reversible); count what still finishes."""
+        if not self.shutting_down:
+            if not self.draining:
+                self.finished_since_drain = 0
+            self.shutting_down = True
+            self.ready = False
+            DRAINING.set(1)
+
+    # ------------------------------------------------------------------ models
+
+    def resolve_model(self, name: str | None) -> Any:
+        """Map the request's ``model`` to the base model (None) or a loaded LoRA adapter's engine handle (what
+        ``Engine.generate(lora=...)`` takes); unknown → 404."""
+        if not name or name == self.facts.name or name == self.facts.path:
+            return None
+        return self.adapters.resolve(name).handle
+
+
+async def get_state(request: Request) -> AppState:
+    """FastAPI dependency: the AppState of the app serving this request. ``async`` on purpose: FastAPI runs a plain
+    ``def`` dependency in a worker thread, a thread hop per request that cost ~17% of the hot path under load."""
+    state: AppState | None = getattr(request.app.state, "tito", None)
+    if state is None:
+        raise not_started(request)
+    return state
+
+
+def not_started(request: Request) -> ApiError:
+    """The answer of every route that needs the engine before it is up (app/server/startup.py)."""
+    failed = getattr(request.app.state, "start_error", None)
+    if failed:
+        return ApiError(503, f"server failed to start: {failed}")
+    return ApiError(503, "server is starting", headers={"Retry-After": "5"})

@@ -1,0 +1,116 @@
+"""The benchmark's report (scripts/bench.py): medians over rounds, the table on stdout and the chart."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadgen import Workload
+
+
+def median_of(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> float | None:
+    vals = [r[system][wl][key] for r in rounds
+            if system in r and wl in r[system] and r[system][wl].get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: list[Workload]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for wl in workloads:
+        row: dict[str, Any] = {}
+        for s in systems:
+            row[s] = {k: median_of(rounds, s, wl.name, k)
+                      for k in ("tok_s", "req_s", "p50_ms", "p99_ms", "cpu_ms_per_req", "client_cpu_ms_per_req",
+                               "burned_cores")}
+            row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
+        key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
+        for other in ("inprocess", "vllm", "matched"):
+            if "tito" in row and other in row and row["tito"][key] and row[other][key]:
+                ratio = row["tito"][key] / row[other][key]
+                row[f"tito/{other}"] = ratio if key != "p50_ms" else None
+                if key == "p50_ms":
+                    row[f"tito-{other}_p50_ms"] = row["tito"][key] - row[other][key]
+        summary[wl.name] = row
+    cold = {s: sum(r[s]["warmup"]["errors"] for r in rounds if s in r) for s in systems}
+    keys = ("server_rss_mb", "server_uss_mb", "engine_rss_mb")
+    memory: dict[str, Any] = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
+              for s in systems if any(s in r for r in rounds)}
+    # What tito itself adds to the memory of a process that runs vLLM's engine client: the API process of both
+    # imports torch and vLLM, so their USS difference is tito's own share (FastAPI, uvicorn, its code and buffers).
+    if "tito" in memory and "inprocess" in memory:
+        memory["tito_own_mb"] = memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
+    return {"workloads": summary, "cold_errors": cold, "memory": memory}
+
+
+def fmt(v: Any, nd: int = 0) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:
+    print(f"\nmedians over {rounds} round(s); errors are totals (non-200, error event, short answer)")
+    print("cpu ms/req: CPU time of the serving process (API + engine client; not the EngineCore) per request;")
+    print("client ms/req: CPU time of the HTTP load generator per request (taken from the same 2 cores)")
+    head = (f"{'workload':<12} {'system':<10} {'tok/s':>9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
+            f"{'cpu ms/req':>10} {'client ms/req':>13}")
+    print(head)
+    print("-" * len(head))
+    for wl in workloads:
+        row = summary["workloads"][wl.name]
+        for s in systems:
+            m = row[s]
+            print(f"{wl.name:<12} {s:<10} {fmt(m['tok_s']):>9} {fmt(m['req_s'], 1):>9} {fmt(m['p50_ms'], 2):>8} "
+                  f"{fmt(m['p99_ms'], 2):>8} {m['errors']:>6} {fmt(m.get('cpu_ms_per_req'), 3):>10} "
+                  f"{fmt(m.get('client_cpu_ms_per_req'), 3):>13}")
+        ratios = []
+        for other in ("inprocess", "vllm", "matched"):
+            if row.get(f"tito/{other}") is not None:
+                burned = f", {row[other]['burned_cores']:.2f} cores burned" if other == "matched" else ""
+                ratios.append(f"tito/{other} {row[f'tito/{other}']:.2f} ({wl.metric}{burned})")
+            if row.get(f"tito-{other}_p50_ms") is not None:
+                ratios.append(f"tito-{other} p50 {row[f'tito-{other}_p50_ms']:+.2f} ms")
+        if ratios:
+            print(f"{'':<12} {'':<10} " + "; ".join(ratios))
+    print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
+    print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
+    for s, m in summary["memory"].items():
+        if isinstance(m, dict):
+            print(f"  {s:<10} {m['server_rss_mb']:8.0f} (USS {m['server_uss_mb']:6.0f}) / {m['engine_rss_mb']:8.0f}")
+    if "tito_own_mb" in summary["memory"]:
+        print(f"tito's own share (USS of tito's process minus USS of the in-process engine client): "
+              f"{summary['memory']['tito_own_mb']:.0f} MB")
+
+
+def write_chart(path: Path, summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
+        return False
+    names = [w.name for w in workloads]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(systems), 1)
+    for k, s in enumerate(systems):
+        xs = [i + k * width for i in range(len(names))]
+        tps = [summary["workloads"][n][s]["tok_s"] or 0 for n in names]
+        p50 = [summary["workloads"][n][s]["p50_ms"] or 0 for n in names]
+        ax1.bar(xs, tps, width, label=s)
+        ax2.bar(xs, p50, width, label=s)
+    for ax, title, unit in ((ax1, "throughput", "generated tokens/s"), (ax2, "latency p50", "ms")):
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.legend()
+    ax2.set_yscale("log")
+    fig.suptitle("tito benchmark (medians over rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
