@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
@@ -152,6 +153,18 @@ def test_stream_has_the_sidecars_shape_and_https_tokens_logprobs_and_text(a: Ser
         one = inference(a).Generate(gen(ids, 12, logprobs=2, prompt_logprobs=1))
         assert list(one.outputs.token_ids) == got["tokens"] and one.outputs.text == got["text"]
         assert one.outputs.finish_info == f and one.prompt_info == prompt
+
+
+def test_kv_transfer_params_are_threaded_as_http_threads_them(a: ServerProcess, http: httpx.Client) -> None:
+    """No KV connector on this server: the request's params come back in the finish info, as HTTP echoes them."""
+    params = {"do_remote_decode": False, "remote_host": "10.0.0.7", "remote_port": "5600"}
+    req = gen(PROMPTS[1], 4)
+    req.kv.kv_transfer_params.update(params)
+    got = joined(inference(a).GenerateStream(req))
+    assert json_format.MessageToDict(got["finish"].kv_transfer_params) == params
+    body = {"token_ids": PROMPTS[1], "kv_transfer_params": params, "sampling_params": {"max_tokens": 4,
+                                                                                      "temperature": 0}}
+    assert http.post(GEN, json=body).json()["kv_transfer_params"] == params
 
 
 def test_stop_token_and_stop_string_end_a_sequence_with_stop(a: ServerProcess, http: httpx.Client,
