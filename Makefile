@@ -34,7 +34,7 @@ $(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 	$(BIN)/pip install -q -e '.[cpu,test,dynamo,grpc]'
-	# Dynamo's frontend, for the RL discovery test: --no-deps (see the `dynamo` extra in pyproject.toml).
+	# Dynamo's frontend and vLLM sidecar, for the sidecar tests: --no-deps (see the `dynamo` extra in pyproject.toml).
 	$(BIN)/pip install -q --no-deps ai-dynamo==1.6.1
 	-$(BIN)/pip uninstall -y -q $(CUDA_ONLY)
 	touch $@

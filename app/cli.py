@@ -1,4 +1,4 @@
-"""``tito`` command line: ``serve``, ``make-tiny-model``, ``dynamo``, and the client commands for a running server
+"""``tito`` command line: ``serve``, ``make-tiny-model``, and the client commands for a running server
 (``app/client/commands.py``: ``generate``, ``status``, ``drain``, ``update-weights``, ``load-lora``, ...)."""
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     if settings.dynamo_namespace:
-        from app.dynamo.adapter import start_sidecar
+        from app.dynamo.sidecar import run_sidecar
 
-        with start_sidecar(settings):  # the Dynamo adapter beside the server; stopped when the server exits
+        with run_sidecar(settings):  # Dynamo's vLLM sidecar beside the server; stopped when the server exits
             return serve(app, settings.host, settings.port)
     return serve(app, settings.host, settings.port)
 
@@ -117,9 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     from app.client.commands import add_client_commands
 
     add_client_commands(sub)
-    from app.dynamo.adapter import add_dynamo_command
-
-    add_dynamo_command(sub)
     return p
 
 

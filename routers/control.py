@@ -24,12 +24,8 @@ router = APIRouter(tags=["control"])
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-@router.post("/pause", responses=ERROR_RESPONSES, summary="Pause generation (abort | wait | keep in-flight requests)")
-async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True),
-                timeout: float = Query(300.0, gt=0, description="Seconds to wait for earlier control calls and, with "
-                                                                "mode=wait, for the drain; a drain that does not end "
-                                                                "in time is cancelled (504)."),
-                state: AppState = Depends(get_state)) -> Response:
+async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float) -> None:
+    """``POST /pause`` and gRPC ``PauseGeneration``: the transition with its error answers."""
     state.check_engine()
     try:
         # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
@@ -43,13 +39,10 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
         log.exception("pause failed")
         raise ApiError(500, f"Failed to pause generation: {e}") from None
     log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
-    return json_response({"status": "paused"})
 
 
-@router.post("/resume", responses=ERROR_RESPONSES, summary="Resume generation")
-async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
-                                                                 "earlier control calls (409 after that)."),
-                 state: AppState = Depends(get_state)) -> Response:
+async def resume_generation(state: AppState, timeout: float) -> None:
+    """``POST /resume`` and gRPC ``ResumeGeneration``."""
     state.check_engine()
     try:
         # Resuming mid-load would generate from half-updated weights: a running update finishes first.
@@ -61,6 +54,23 @@ async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wai
         log.exception("resume failed")
         raise ApiError(500, f"Failed to resume generation: {e}") from None
     log.info("generation resumed")
+
+
+@router.post("/pause", responses=ERROR_RESPONSES, summary="Pause generation (abort | wait | keep in-flight requests)")
+async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True),
+                timeout: float = Query(300.0, gt=0, description="Seconds to wait for earlier control calls and, with "
+                                                                "mode=wait, for the drain; a drain that does not end "
+                                                                "in time is cancelled (504)."),
+                state: AppState = Depends(get_state)) -> Response:
+    await pause_generation(state, mode, clear_cache, timeout)
+    return json_response({"status": "paused"})
+
+
+@router.post("/resume", responses=ERROR_RESPONSES, summary="Resume generation")
+async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
+                                                                 "earlier control calls (409 after that)."),
+                 state: AppState = Depends(get_state)) -> Response:
+    await resume_generation(state, timeout)
     return json_response({"status": "resumed"})
 
 

@@ -1,13 +1,16 @@
-"""Side by side: the same workload sent to one tito replica directly vs through Dynamo's frontend to two replicas.
+"""Direct vs the Dynamo sidecar path: the same token requests sent to one tito replica's HTTP API, and through Dynamo's
+frontend → Dynamo's vLLM sidecar → tito's ``vllm.Inference`` (gRPC) on the same replica.
 
     python scripts/bench_dynamo.py --model models/tiny-qwen3 [--requests 200] [--clients 1,8] [--max-tokens 16]
 
-Starts two tito replicas (registered with Dynamo, file discovery in a temporary directory) and Dynamo's frontend
-(``--router-mode round-robin``), then drives closed-loop clients: ``direct`` posts token ids to replica A's
-``/inference/v1/generate``; ``frontend`` posts the same ids as a token prompt to the frontend's ``/v1/completions``
-(same tokens in, same number out: ``ignore_eos``). Reports p50/p99 latency, req/s, the added p50, and the frontend
-process's CPU per request (from /proc). On a 2-core machine the two replicas share the same two cores as one would:
-this measures the frontend's overhead, not scaling. Needs the ``dynamo`` extra and ``ai-dynamo`` (see README).
+Starts one tito (``--grpc-port``), Dynamo's vLLM sidecar by hand (``python -m dynamo.vllm.sidecar``) and Dynamo's
+frontend (file discovery in a temporary directory, everything on loopback), then drives closed-loop clients in
+alternating rounds: ``direct`` posts token ids to tito's ``/inference/v1/generate``; ``sidecar`` posts the same body
+to the frontend's ``/inference/v1/generate`` (Dynamo's token route: no tokenizing on the way in); ``completions``
+posts the same ids as a token prompt to the frontend's ``/v1/completions`` (text comes back: tito detokenizes for
+the sidecar). ``ignore_eos``: the same number of tokens out every time. Reports p50/p99 latency, req/s, the p50 the
+path adds, and the CPU per request of the frontend, the sidecar and tito's own process (from /proc: they move much
+less than latencies on a shared machine). Needs the ``dynamo`` extra and ``ai-dynamo`` (see README).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import socket
 import statistics
@@ -28,12 +32,21 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+GEN = "/inference/v1/generate"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(below: int | None = None) -> int:
+    """A free loopback port; ``below``: under that number (the sidecar reads DYN_SYSTEM_PORT as a 16-bit signed
+    number, and the kernel's own free ports usually lie above it)."""
+    for _ in range(500):
+        port = random.randrange(20000, below) if below else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free port")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -96,69 +109,94 @@ async def drive(url: str, path: str, body: dict[str, Any], clients: int, request
         await asyncio.gather(*(client(c, requests // clients) for _ in range(clients)))
         wall = time.perf_counter() - t0
     lat.sort()
+    return {"lat": lat, "wall": wall, "errors": errors}
+
+
+def measure(url: str, path: str, body: dict[str, Any], clients: int, requests: int,
+            pids: dict[str, int]) -> dict[str, Any]:
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    out = asyncio.run(drive(url, path, body, clients, requests))
+    n = len(out["lat"]) + 3 * clients  # the warm-up requests count for CPU too
+    out["cpu_ms"] = {k: 1000 * (cpu_seconds(p) - before[k]) / n for k, p in pids.items()}
+    return out
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    lat = sorted(x for r in runs for x in r["lat"])
+    keys = runs[0]["cpu_ms"].keys()
     return {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
-            "rps": len(lat) / wall, "errors": errors, "n": len(lat)}
+            "rps": len(lat) / sum(r["wall"] for r in runs), "errors": sum(r["errors"] for r in runs),
+            "cpu_ms": {k: statistics.median(r["cpu_ms"][k] for r in runs) for k in keys}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-qwen3"))
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="requests per path, client count and round")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (direct, sidecar, completions)")
     ns = ap.parse_args()
     if not (Path(ns.model) / "tokenizer.json").is_file():
         print(f"{ns.model} has no tokenizer: run tito make-tiny-model {ns.model}", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="bench-dynamo-"))
     env = {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp / "kv"), "DYN_NAMESPACE": "bench",
-           "DYN_LOG": "warn", "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+           "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1",
+           "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+           "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_LOG": "warn", "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     procs: list[Proc] = []
     try:
-        replicas = []
-        for i in range(2):
-            port = free_port()
-            cmd = [sys.executable, "-m", "app", "serve", "--model", ns.model, "--served-model-name", "tiny",
-                   "--port", str(port), "--dtype", "float32", "--dynamo-namespace", "bench"]
-            replicas.append(Proc(cmd, f"http://127.0.0.1:{port}", "/health", env, tmp / f"replica{i}.log"))
-        fport = free_port()
-        fe = Proc([sys.executable, "-m", "dynamo.frontend", "--http-port", str(fport), "--discovery-backend", "file",
-                   "--router-mode", "round-robin"], f"http://127.0.0.1:{fport}", "/live", env, tmp / "frontend.log")
-        procs = [*replicas, fe]
-        for p in procs:
-            p.wait(600)
+        port, grpc_port, fport = free_port(), free_port(), free_port()
+        tito = Proc([sys.executable, "-m", "app", "serve", "--model", ns.model, "--served-model-name", "tiny",
+                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32"],
+                    f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
+        procs.append(tito)
+        tito.wait(900)
+        sport = free_port(below=32768)
+        side = Proc([sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", f"127.0.0.1:{grpc_port}",
+                     "--enable-rl", "--vllm-http-endpoint", tito.url], f"http://127.0.0.1:{sport}", "/health",
+                    {**env, "DYN_SYSTEM_PORT": str(sport)}, tmp / "sidecar.log")
+        fe = Proc([sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(fport),
+                   "--router-mode", "round-robin"], f"http://127.0.0.1:{fport}", "/live",
+                  {**env, "DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "true"}, tmp / "frontend.log")
+        procs += [side, fe]
+        side.wait(300)
+        fe.wait(300)
         deadline = time.monotonic() + 120
-        while len(list((tmp / "kv" / "v1" / "instances").glob("*generate*"))) < 2:
+        while "tiny" not in {m["id"] for m in httpx.get(fe.url + "/v1/models").json().get("data", [])}:
             if time.monotonic() > deadline:
-                raise RuntimeError("replicas not in discovery")
+                raise RuntimeError("the model never showed up at the frontend")
             time.sleep(0.5)
+        pids = {"frontend": fe.p.pid, "sidecar": side.p.pid, "tito": tito.p.pid}
         ids = list(range(5, 5 + 32))
-        direct_body = {"token_ids": ids, "sampling_params": {"max_tokens": ns.max_tokens, "temperature": 0.0,
-                                                             "ignore_eos": True}}
-        fe_body = {"model": "tiny", "prompt": ids, "max_tokens": ns.max_tokens, "temperature": 0.0,
-                   "ignore_eos": True}
+        sp = {"max_tokens": ns.max_tokens, "temperature": 0.0, "ignore_eos": True}
+        paths = {"direct": (tito.url, GEN, {"token_ids": ids, "sampling_params": sp}),
+                 "sidecar": (fe.url, GEN, {"model": "tiny", "token_ids": ids, "sampling_params": sp}),
+                 "completions": (fe.url, "/v1/completions", {"model": "tiny", "prompt": ids, **sp})}
         rows = []
         for clients in (int(c) for c in ns.clients.split(",")):
-            d = asyncio.run(drive(replicas[0].url, "/inference/v1/generate", direct_body, clients, ns.requests))
-            c0 = cpu_seconds(fe.p.pid)
-            f = asyncio.run(drive(fe.url, "/v1/completions", fe_body, clients, ns.requests))
-            f["frontend_cpu_ms_per_req"] = 1000 * (cpu_seconds(fe.p.pid) - c0) / (f["n"] + 3 * clients)
-            rows.append((clients, d, f))
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in paths}
+            for _ in range(ns.rounds):
+                for name, (url, path, body) in paths.items():
+                    runs[name].append(measure(url, path, body, clients, ns.requests, pids))
+            rows.append((clients, {k: summary(v) for k, v in runs.items()}))
     finally:
-        for p in procs:
+        for p in reversed(procs):
             p.stop()
-    print(f"\n{ns.max_tokens} new tokens per request, 32-token prompt, {ns.requests} requests per cell, "
-          f"{os.cpu_count()} cores")
-    print("| clients | direct p50 ms | frontend→2 replicas p50 ms | added p50 ms | direct req/s | frontend req/s "
-          "| frontend CPU ms/req | errors |")
-    print("|---|---|---|---|---|---|---|---|")
-    for clients, d, f in rows:
-        print(f"| {clients} | {d['p50_ms']:.2f} | {f['p50_ms']:.2f} | {f['p50_ms'] - d['p50_ms']:+.2f} | "
-              f"{d['rps']:.0f} | {f['rps']:.0f} | {f['frontend_cpu_ms_per_req']:.2f} | {d['errors']}/{f['errors']} |")
-    if (os.cpu_count() or 1) <= 4:
-        print("\nOn this machine the two replicas share the same few cores: the difference is the frontend's "
-              "overhead (an extra HTTP hop, tokenization, routing, detokenization), not scaling.")
+    print(f"\n{ns.max_tokens} new tokens per request, 32-token prompt, {ns.requests} requests per path and round, "
+          f"{ns.rounds} alternating rounds, {os.cpu_count()} cores")
+    print("| clients | path | p50 ms | p99 ms | added p50 ms | req/s | frontend CPU ms/req | sidecar CPU ms/req "
+          "| tito CPU ms/req | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for clients, s in rows:
+        base = s["direct"]["p50_ms"]
+        for name, r in s.items():
+            c = r["cpu_ms"]
+            added = "" if name == "direct" else f"{r['p50_ms'] - base:+.2f}"
+            print(f"| {clients} | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added} | {r['rps']:.0f} | "
+                  f"{c['frontend']:.2f} | {c['sidecar']:.2f} | {c['tito']:.2f} | {r['errors']} |")
     return 0
 
 

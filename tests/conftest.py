@@ -7,6 +7,10 @@
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
 - ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
   (started when first asked for).
+- ``sidecar_a`` / ``sidecar_b``: two replicas for vLLM's native gRPC services and Dynamo's sidecar in front of them
+  (``--grpc-port``, KV events, 32-token blocks, LoRA; served as ``tiny``; ``b`` runs its own sidecar with
+  ``--dynamo-namespace``), started when first asked for (test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py
+  both, and stops ``b`` at its end).
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
   and test_security.py (started when first asked for). Each module using it restores it at its end (``restore_server``
@@ -41,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
 _STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
 _ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
-                    "keyed_tito", "shared_servers"}
+                    "keyed_tito", "shared_servers", "sidecar_a", "sidecar_b"}
 
 
 @functools.cache
@@ -211,6 +215,24 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
                           "--max-body-bytes", "65536", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
                           name="tito-keyed", timeout=timeout)
 
+    def sidecar_replica(name: str, own_sidecar: bool) -> Callable[[], ServerProcess]:
+        def start() -> ServerProcess:
+            from tests.sidecar import NS, dynamo_env, dynamo_kv_dir, system_port
+
+            # VLLM_HOST_IP: the KV-event publishers' free ports (--kv-events-port 0) bind loopback. 512 blocks of
+            # 32 tokens (16,384 tokens) hold every prompt of the KV-routing test many times over.
+            extra: tuple[str, ...] = ()
+            env = {"VLLM_HOST_IP": "127.0.0.1"}
+            if own_sidecar:  # `tito serve --dynamo-namespace`: tito runs Dynamo's sidecar as its child
+                extra = ("--dynamo-namespace", NS, "--dynamo-system-port", str(system_port()))
+                env.update(dynamo_env(dynamo_kv_dir(tmp_path_factory.getbasetemp())))
+            return start_tito(tmp_path_factory, tiny_model, "--served-model-name", "tiny", "--grpc-port",
+                              str(free_port()), "--kv-events-port", "0", "--block-size", "32", "--num-kv-blocks",
+                              "512", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", *extra,
+                              env=env, name=name, timeout=timeout)
+
+        return start
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -221,8 +243,10 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
     # too: its users are test_client.py and test_security.py, started when the first of them asks for it.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
-                                              "keyed_tito": keyed, "vllm_ref": vllm},
-                            lazy=frozenset({"keyed_tito", "vllm_ref"}))
+                                              "keyed_tito": keyed, "vllm_ref": vllm,
+                                              "sidecar_a": sidecar_replica("sidecar-a", False),
+                                              "sidecar_b": sidecar_replica("sidecar-b", True)},
+                            lazy=frozenset({"keyed_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -259,6 +283,18 @@ def keyed_tito(shared_servers: SharedServers) -> ServerProcess:
 def vllm_ref(shared_servers: SharedServers) -> ServerProcess:
     """vLLM's own server on the tiny model (test_vllm_compat.py)."""
     return shared_servers.get("vllm_ref")
+
+
+@pytest.fixture(scope="module")
+def sidecar_a(shared_servers: SharedServers) -> ServerProcess:
+    """The first replica for vLLM's native gRPC services (see the module docstring). Modules restore it at their end."""
+    return shared_servers.get("sidecar_a")
+
+
+@pytest.fixture(scope="module")
+def sidecar_b(shared_servers: SharedServers) -> ServerProcess:
+    """The second replica, with its own Dynamo sidecar: test_sidecar_serve.py stops it with its last test."""
+    return shared_servers.get("sidecar_b")
 
 
 @pytest.fixture(scope="session")

@@ -213,6 +213,9 @@ class FakeEngine:
     def kv_event_replay_endpoints(self) -> dict[int, str]:
         return {}
 
+    def kv_event_sources(self) -> list[dict[str, Any]]:
+        return []
+
     def scheduler_load(self) -> tuple[int, int, float] | None:
         return None
 

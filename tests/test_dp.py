@@ -1,5 +1,7 @@
 """Data parallel: ``--data-parallel-size 2`` runs two EngineCores behind one server; ``X-data-parallel-rank`` pins a
-request to one of them (checked in each engine's own ``vllm:request_success_total``); a bad rank is a 400."""
+request to one of them (checked in each engine's own ``vllm:request_success_total``); a bad rank is a 400. Over
+gRPC, ``vllm.Control`` describes both cores (what Dynamo's sidecar reads: a KV-event source per rank, the world size
+per data-parallel engine) and ``x-data-parallel-rank`` metadata pins ``vllm.Inference`` requests the same way."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess, metric_value
+from tests.conftest import start_timeout, start_tito
+from tests.helpers import ServerProcess, free_port, metric_value
 from tests.sweep import fire, shapes
 
 GEN = "/inference/v1/generate"
@@ -20,7 +22,9 @@ BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temp
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", name="dp2")
+    # Two engine cores (and a DP coordinator) start: twice the usual time on a busy machine.
+    s = start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", "--grpc-port", str(free_port()),
+                   "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2", timeout=start_timeout(2))
     yield s
     s.kill()
 
@@ -78,3 +82,25 @@ def test_trainer_request_shapes_together_keep_both_engines(server: ServerProcess
     bodies = shapes()
     pinned = {f"{name}@{i % 2}": body for i, (name, body) in enumerate(bodies.items())}
     fire(server.url, {**bodies, **pinned}, headers={name: {"X-data-parallel-rank": name[-1]} for name in pinned})
+
+
+def test_vllm_grpc_services_see_both_cores(server: ServerProcess, client: httpx.Client) -> None:
+    from app.grpc.proto import vllm_control_pb2 as cpb
+    from tests.sidecar import control, gen, inference, joined
+
+    info = client.get("/server_info").json()
+    si = control(server).GetServerInfo(cpb.GetServerInfoRequest())
+    p = si.parallelism
+    assert (p.data_parallel_size, p.data_parallel_rank, p.data_parallel_size_local) == (2, 0, 2)
+    # Per data-parallel engine; the sidecar multiplies by the DP size for /v1/rl/workers: tito's world size.
+    assert p.world_size == 1 and p.world_size * p.data_parallel_size == info["parallelism"]["world_size"] == 2
+    assert si.total_kv_blocks == 2 * info["model"]["num_kv_blocks"]  # over both cores
+    sources = control(server).GetKvEventSources(cpb.GetKvEventSourcesRequest()).sources
+    assert sorted(s.data_parallel_rank for s in sources) == [0, 1]
+    assert {s.endpoint for s in sources} == set(info["features"]["kv_events"].values())
+    for rank in (0, 1):
+        before = _finished(client, str(rank)), _finished(client, str(1 - rank))
+        got = joined(inference(server).GenerateStream(gen([3, 1, 4, 1, 5], 6, model=""),
+                                                      metadata=(("x-data-parallel-rank", str(rank)),)))
+        assert len(got["tokens"]) == 6
+        assert (_finished(client, str(rank)), _finished(client, str(1 - rank))) == (before[0] + 1, before[1])

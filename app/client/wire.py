@@ -183,8 +183,7 @@ def _deltas(event: dict[str, Any]) -> list[StreamDelta]:
 
 
 def sse_payload(line: str) -> Any:
-    """The JSON of one ``data:`` line of tito's SSE answer; None for blank lines, comments and ``[DONE]``. Shared by
-    the client and the Dynamo adapter (app/dynamo/wire.py), which read the same stream."""
+    """The JSON of one ``data:`` line of tito's SSE answer; None for blank lines, comments and ``[DONE]``."""
     if not line.startswith("data:"):
         return None
     payload = line[5:].strip()

@@ -99,16 +99,24 @@ class Settings:
     max_mm_items: int = flag(4, "Most media items (content_parts or features items) per request (400 beyond).")
     max_media_bytes: int = flag(5 * 1024 * 1024, "Largest decoded media item or kwargs_data item (413 beyond).")
     max_image_pixels: int = flag(4096 * 4096, "Most pixels (width x height) of one image (413 beyond).")
-    # --- Dynamo RL discovery (needs the `dynamo` extra; see README "Running under Dynamo")
-    dynamo_namespace: str | None = flag(None, "Register with Dynamo in this namespace (runs `tito dynamo-register` "
-                                        "beside the server); unset: no Dynamo.")
-    dynamo_component: str = flag("tito", "Dynamo component name.")
+    # --- Dynamo (needs the `dynamo` extra and ai-dynamo; see README "Running under Dynamo")
+    dynamo_namespace: str | None = flag(None, "Run Dynamo's vLLM sidecar (python -m dynamo.vllm.sidecar) beside the "
+                                        "server, registered in this namespace; needs --grpc-port. Unset: no Dynamo "
+                                        "(the sidecar can also be started by hand).")
+    dynamo_component: str = flag("backend", "Dynamo component the sidecar registers (the sidecar's own default: a "
+                                 "replica whose sidecar was started by hand joins the same worker set).")
     dynamo_admin_base_url: str | None = flag(
-        None, "URL advertised to trainers as admin_base_url (default: http://<host>:<port>, with this machine's "
-        "hostname when --host is a wildcard).")
+        None, "tito's URL for trainers (the sidecar's --vllm-http-endpoint, admin_base_url in /v1/rl/workers; "
+        "default: http://<host>:<port>, with this machine's hostname when --host is a wildcard).")
+    dynamo_system_port: int | None = flag(
+        None, "The sidecar's system port (DYN_SYSTEM_PORT, below 32768): engine-control routes and RL discovery "
+        "(--enable-rl). Default: DYN_SYSTEM_PORT from the environment, else none.")
     # --- gRPC (needs the `grpc` extra; see README "gRPC and the smg gateway")
-    grpc_port: int | None = flag(None, "Also serve vLLM's gRPC API (VllmEngine, health, reflection) on this port, "
-                                 "same engine and admission as HTTP; unset: no gRPC.")
+    grpc_port: int | None = flag(None, "Also serve gRPC on this port: smg's VllmEngine and vLLM's native vllm.Control "
+                                 "+ vllm.Inference (Dynamo's vLLM sidecar), health, reflection; same engine and "
+                                 "admission as HTTP; unset: no gRPC.")
+    grpc_trust_loopback: bool = flag(True, "With API keys set, vllm.Control / vllm.Inference calls from a loopback "
+                                     "peer need no key (the Dynamo sidecar beside tito sends none); others always do.")
     # --- HTTP server
     max_body_bytes: int = flag(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
     shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting.")

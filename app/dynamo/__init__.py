@@ -1,5 +1,6 @@
-"""tito behind Dynamo (the ``dynamo`` extra): the adapter process beside tito (``adapter``: ``tito dynamo-register``)
-and the pure translation between Dynamo's request plane and tito's HTTP API (``wire``).
+"""tito behind Dynamo (the ``dynamo`` extra): ``tito serve --dynamo-namespace`` runs Dynamo's own vLLM sidecar
+(``python -m dynamo.vllm.sidecar``) as a child process for tito's gRPC port (``sidecar``). The sidecar speaks vLLM's
+native gRPC services (``app.grpc``); it can also be started by hand.
 
-Imports: ``app.core`` (settings) and ``app.client`` (the SSE parser). It reaches tito over HTTP, never the engine.
+Imports: ``app.core`` (settings). It starts a process, never touches the engine.
 """

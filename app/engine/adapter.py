@@ -145,9 +145,10 @@ def engine_args(settings: Settings) -> Any:
 
 def kv_events_config(port: int, dp_size: int = 1) -> Any:
     """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
-    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it
-    (app/dynamo/adapter.py), and gRPC SubscribeKvEvents relays it (app/grpc/kv_events.py). Its replay socket (the
-    last batches, for a subscriber resuming from a sequence number) is on port + dp_size + r (free ports with 0)."""
+    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (gRPC
+    GetKvEventSources tells the sidecar where), and gRPC SubscribeKvEvents relays it (app/grpc/kv_events.py). Its
+    replay socket (the last batches, for a subscriber resuming from a sequence number) is on port + dp_size + r
+    (free ports with 0)."""
     from vllm.config.kv_events import KVEventsConfig
 
     replay = f"tcp://*:{port + dp_size}" if port else "tcp://*:0"
@@ -176,6 +177,7 @@ class ModelFacts:
     kv_block_size: int = 0  # tokens per KV cache block (per engine core)
     num_kv_blocks: int = 0  # KV cache blocks per engine core
     kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = 0  # tokens one engine step schedules at most
     # From the HF config, for gateways that describe the model (gRPC GetModelInfo).
     model_type: str = ""
     architectures: tuple[str, ...] = ()
@@ -218,6 +220,7 @@ class Engine:
             kv_block_size=int(vc.cache_config.block_size or 0),
             num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
             kv_cache_dtype=str(vc.cache_config.cache_dtype),
+            max_num_batched_tokens=int(sc.max_num_batched_tokens or 0),
             model_type=str(getattr(hf, "model_type", "") or ""),
             architectures=tuple(getattr(hf, "architectures", None) or ()),
             eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()),
@@ -387,6 +390,15 @@ class Engine:
         """Where each DP rank's publisher answers replay requests (bound addresses; empty when off)."""
         return {int(rank): str(cfg.replay_endpoint) for rank, cfg in self.llm.get_kv_event_sources().items()
                 if cfg.enable_kv_cache_events and cfg.replay_endpoint}
+
+    def kv_event_sources(self) -> list[dict[str, Any]]:
+        """Each DP rank's KV-event publisher as configured (bound endpoints; empty when off): gRPC
+        ``GetKvEventSources``."""
+        return [{"rank": int(rank), "endpoint": str(cfg.endpoint), "replay_endpoint": str(cfg.replay_endpoint or ""),
+                 "topic": str(cfg.topic or ""), "buffer_steps": int(cfg.buffer_steps), "hwm": int(cfg.hwm),
+                 "max_queue_size": int(cfg.max_queue_size)}
+                for rank, cfg in sorted(self.llm.get_kv_event_sources().items())
+                if cfg.enable_kv_cache_events and cfg.endpoint]
 
     def scheduler_load(self) -> tuple[int, int, float] | None:
         """Running and waiting requests and KV usage from the engine's latest scheduler stats, when vLLM's stat

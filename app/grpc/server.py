@@ -1,6 +1,7 @@
 """``tito serve --grpc-port``: a ``grpc.aio`` server in tito's process, beside the HTTP server, on the same engine
-and ``AppState``: vLLM's ``VllmEngine`` service (``app/grpc/servicer.py``), the standard ``grpc.health.v1`` service
-and server reflection.
+and ``AppState``: smg's ``VllmEngine`` service (``app/grpc/servicer.py``), vLLM's native ``vllm.Control`` and
+``vllm.Inference`` (``app/grpc/vllm_native.py``, what Dynamo's vLLM sidecar drives), the standard
+``grpc.health.v1`` service and server reflection.
 
 Started by the lifespan once the engine is up and stopped by it before the engine is, after the SIGTERM drain
 (``app/server/lifecycle.py``) has let the in-flight requests of both transports finish: while the drain runs, the
@@ -8,6 +9,7 @@ listener stays open and new gRPC work gets ``UNAVAILABLE`` (HTTP: 503), health `
 
 Security as on HTTP: with ``--api-key`` every ``VllmEngine`` call needs ``authorization: Bearer <key>`` metadata
 (``UNAUTHENTICATED`` otherwise); health, the engine's ``HealthCheck`` and reflection stay open, as ``/health`` does.
+The vLLM services' own rule (loopback peers need no key: the sidecar sends none) is in ``app/grpc/vllm_native.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from app.grpc import vllm_native as grpc_vllm
 from app.grpc.servicer import TitoEngineServicer
 from app.grpc.status import GrpcCall
 from app.server.lifecycle import CLOSE_GRACE_S
@@ -33,6 +36,8 @@ log = logging.getLogger("tito.grpc")
 ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 HEALTH_SERVICE = "grpc.health.v1.Health"
 OPEN_METHODS = frozenset({f"/{ENGINE_SERVICE}/HealthCheck"})
+# Services grpc.health.v1 answers for ("" is the whole server); each follows tito's readiness.
+HEALTH_SERVICES = frozenset({"", ENGINE_SERVICE, *grpc_vllm.SERVICES})
 # How often a health Watch stream looks at the server's state.
 WATCH_INTERVAL_S = 0.5
 
@@ -78,7 +83,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 class TitoHealth(health_pb2_grpc.HealthServicer):
     """``grpc.health.v1``: SERVING exactly when tito's ``/ready`` is 200 (not starting, draining, shutting down, and
-    the engine alive), for the whole server ("") and for the VllmEngine service."""
+    the engine alive), for the whole server ("") and each service (VllmEngine, vllm.Control, vllm.Inference)."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state
@@ -89,13 +94,13 @@ class TitoHealth(health_pb2_grpc.HealthServicer):
 
     async def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
-        if request.service not in ("", ENGINE_SERVICE):
+        if request.service not in HEALTH_SERVICES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=self._status())
 
     async def Watch(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        if request.service not in ("", ENGINE_SERVICE):
+        if request.service not in HEALTH_SERVICES:
             yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
             return
         last = None
@@ -113,10 +118,14 @@ class GrpcServer:
     def __init__(self, state: AppState) -> None:
         s = state.settings
         self.address = f"{s.host}:{s.grpc_port}"
-        self.server = grpc.aio.server(options=_OPTIONS, interceptors=[ApiKeyInterceptor(Keys.from_settings(s))])
+        keys = Keys.from_settings(s)
+        self.server = grpc.aio.server(options=_OPTIONS, interceptors=[
+            ApiKeyInterceptor(keys), grpc_vllm.VllmKeyInterceptor(keys, s.grpc_trust_loopback)])
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(TitoEngineServicer(state), self.server)
+        vllm_services = grpc_vllm.add_services(self.server, state)
         health_pb2_grpc.add_HealthServicer_to_server(TitoHealth(state), self.server)
-        reflection.enable_server_reflection((ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((ENGINE_SERVICE, *vllm_services, HEALTH_SERVICE, reflection.SERVICE_NAME),
+                                            self.server)
 
     async def start(self) -> None:
         try:
@@ -124,7 +133,7 @@ class GrpcServer:
         except RuntimeError as e:
             raise RuntimeError(f"cannot bind the gRPC port {self.address}: {e}") from None
         await self.server.start()
-        log.info("gRPC (VllmEngine, grpc.health.v1, reflection) on %s", self.address)
+        log.info("gRPC (VllmEngine, vllm.Control, vllm.Inference, grpc.health.v1, reflection) on %s", self.address)
 
     async def stop(self, grace: float) -> None:
         """Stop listening; calls still running get ``grace`` seconds (the drain has already waited for them)."""

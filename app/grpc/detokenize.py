@@ -1,0 +1,106 @@
+"""Text for ``vllm.Inference`` answers: incremental detokenization and stop strings, beside the engine.
+
+tito's engine loads no tokenizer (its HTTP API is tokens only, and vLLM's EOS handling differs with one loaded), but
+the Dynamo sidecar's frontend takes the detokenized text from the engine's stream and does not detokenize itself.
+So the gRPC inference service decodes the sampled tokens here with the model directory's fast tokenizer, as vLLM's
+own fast incremental detokenizer does (``tokenizers.decoders.DecodeStream``, primed with the end of the prompt), and
+applies stop strings to that text the way vLLM does: matched after ``min_tokens``, cut before the stop string (or
+after it with ``include_stop_str_in_output``), with the last ``longest stop - 1`` characters held back until the
+stream ends or no stop string can start there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("tito.detokenize")
+
+# Prompt tokens a stream is primed with: enough for the first output token's text to be decoded in its context
+# (a leading space, a character split over tokens) without decoding a long prompt again.
+PRIME_TOKENS = 16
+
+
+class Detokenizer:
+    """The model directory's ``tokenizer.json``, loaded once per server."""
+
+    def __init__(self, tokenizer: Any, path: str) -> None:
+        self.tokenizer = tokenizer
+        self.path = path
+
+    @classmethod
+    def load(cls, model_dir: str) -> Detokenizer | None:
+        """None when the directory has no fast tokenizer (then answers carry tokens and no text)."""
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(path), path)
+        except Exception as e:  # noqa: BLE001 - a broken tokenizer file costs the text, not the server
+            log.warning("cannot load %s (gRPC answers will carry no text): %s", path, e)
+            return None
+
+    def stream(self, prompt_ids: list[int], *, skip_special_tokens: bool = True, stops: list[str] | None = None,
+               include_stop: bool = False, min_tokens: int = 0) -> TextStream:
+        return TextStream(self.tokenizer, prompt_ids, skip_special_tokens, stops or [], include_stop, min_tokens)
+
+
+class TextStream:
+    """One sequence's text, token by token."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool, stops: list[str],
+                 include_stop: bool, min_tokens: int) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._new = DecodeStream
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.decoder = DecodeStream(ids=prompt_ids[-PRIME_TOKENS:], skip_special_tokens=skip_special)
+        self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.sent = 0
+        self.tokens = 0
+        self.stopped: str | None = None
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self.decoder.step(self.tokenizer, token_id)  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - vLLM does the same: restart without the prompt context
+            self.decoder = self._new(skip_special_tokens=self.skip_special)
+            return self.decoder.step(self.tokenizer, token_id)  # type: ignore[no-any-return]
+
+    def add(self, token_ids: list[int]) -> int:
+        """Decode ``token_ids``; returns how many of them belong to the output (fewer when one completes a stop
+        string: the sequence ends there, ``stopped`` names the string)."""
+        for k, tid in enumerate(token_ids):
+            self.tokens += 1
+            piece = self._step(tid)
+            if not piece:
+                continue
+            start = max(0, len(self.text) - self.longest + 1)
+            self.text += piece
+            if self.stops and self.tokens > self.min_tokens and self._match(start):
+                return k + 1
+        return len(token_ids)
+
+    def _match(self, start: int) -> bool:
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) != -1]
+        if not hits:
+            return False
+        i, s = min(hits)
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped = s
+        return True
+
+    def take(self, final: bool) -> str:
+        """The text not sent yet; while the sequence runs, without the tail a stop string may still start in."""
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - max(self.longest - 1, 0))
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out

@@ -1,0 +1,315 @@
+"""vLLM's native gRPC services without an engine: the committed generated modules and the schema the Dynamo sidecar
+reads, the request mapping and its refusals, incremental text with stop strings, and the trust boundary (keys,
+loopback peers, health) on tito's real gRPC server over a stand-in state."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from app.core.protocol import ApiError
+from app.grpc.detokenize import Detokenizer
+from app.grpc.proto import vllm_control_pb2 as cpb
+from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
+from app.grpc.proto import vllm_inference_pb2 as ipb
+from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
+from app.grpc.server import GrpcServer
+from app.grpc.vllm_inference import to_generate_request
+from app.grpc.vllm_native import is_loopback_peer
+from tests.helpers import ROOT
+from tests.test_grpc_auth import ADMIN, KEY, StandInState, _code
+
+# ------------------------------------------------------------------------------------------------ schema
+
+
+def test_generated_modules_are_up_to_date() -> None:
+    pytest.importorskip("grpc_tools")
+    r = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _numbers(message: Any) -> dict[str, int]:
+    return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+
+def test_the_schema_has_the_names_and_numbers_the_sidecar_reads() -> None:
+    """The field numbers of shared/spec/dynamo-sidecar.md (read from vLLM's protos and the sidecar's use of them)."""
+    assert cpb.DESCRIPTOR.package == ipb.DESCRIPTOR.package == "vllm"
+    assert _numbers(cpb.ServerInfo) == {
+        "engine_version": 1, "api_version": 2, "instance_id": 3, "parallelism": 4, "max_model_len": 5,
+        "kv_block_size": 6, "total_kv_blocks": 7, "max_running_requests": 8, "max_batched_tokens": 9,
+        "max_loras": 10, "rl_capabilities": 11, "effective_attention_block_size": 14}
+    assert _numbers(cpb.ParallelismInfo) == {
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 2, "data_parallel_size": 3, "data_parallel_rank": 4,
+        "decode_context_parallel_size": 5, "world_size": 6, "data_parallel_size_local": 7}
+    assert _numbers(cpb.RlCapabilities) == {"weight_transfer_enabled": 1, "weight_transfer_backend": 2,
+                                            "sleep_mode_enabled": 3, "draft_weight_updates_enabled": 4}
+    assert _numbers(cpb.ModelInfo) == {
+        "model_id": 1, "served_model_name": 2, "served_model_aliases": 3, "supports_text_input": 20,
+        "supports_token_ids_input": 21, "supports_lora": 22, "supports_multimodal": 23, "reasoning_parser": 24,
+        "tool_call_parser": 25}
+    assert _numbers(cpb.KvEventSource) == {
+        "transport": 1, "endpoint": 2, "topic": 3, "replay_endpoint": 4, "data_parallel_rank": 5, "encoding": 6,
+        "schema_version": 7, "buffer_steps": 8, "hwm": 9, "max_queue_size": 10}
+    assert _numbers(cpb.LoraAdapter) == {"lora_id": 1, "lora_name": 2, "source_path": 3}
+    assert _numbers(ipb.GenerateRequest) == {
+        "request_id": 1, "model": 2, "text": 3, "token_ids": 4, "temperature": 5, "sampling": 6, "decoding": 7,
+        "stopping": 8, "response": 9, "kv": 10, "truncate_prompt_tokens": 11, "priority": 12, "session_id": 13,
+        "media": 14, "lora_name": 15}
+    assert _numbers(ipb.GenerateResponse) == {"prompt_info": 1, "outputs": 2}
+    assert _numbers(ipb.SequenceOutput) == {"index": 1, "text": 2, "num_tokens": 3, "token_ids": 4, "logprobs": 5,
+                                            "ranks": 6, "candidate_tokens": 7, "finish_info": 8}
+    control = {m.name for m in cpb.DESCRIPTOR.services_by_name["Control"].methods}
+    assert control == {
+        "GetServerInfo", "GetModelInfo", "Shutdown", "Abort", "LoadLora", "UnloadLora", "ListLoras",
+        "GetKvEventSources", "PauseGeneration", "ResumeGeneration", "IsPaused", "Sleep", "WakeUp", "IsSleeping",
+        "InitWeightTransferEngine", "StartWeightUpdate", "StartDraftWeightUpdate", "UpdateWeights",
+        "FinishWeightUpdate", "UpdateWeightVersion", "GetWeightVersion"}
+    assert {m.name for m in ipb.DESCRIPTOR.services_by_name["Inference"].methods} == {"Generate", "GenerateStream"}
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+
+def _req(**kw: Any) -> ipb.GenerateRequest:
+    kw.setdefault("token_ids", ipb.TokenIds(ids=[1, 2, 3]))
+    return ipb.GenerateRequest(request_id="r", **kw)
+
+
+def test_what_the_sidecar_sends_maps_to_titos_request() -> None:
+    msg = _req(model="tiny", temperature=0.5,
+               sampling=ipb.RandomSampling(num_sequences=1, top_k=0, top_p=0.0, min_p=0.0, seed=7),
+               stopping=ipb.StoppingCriteria(max_new_tokens=0, stop_token_ids=[2], stop_strings=["\n\n"]),
+               response=ipb.ResponseOptions(output_text=True, output_token_ids=True, output_logprobs=True,
+                                            output_candidates=ipb.CandidateTokens(top_n=3), skip_special_tokens=False),
+               kv=ipb.KVCacheParameters(cache_salt="dynamo-cache-salt:abc"), priority=-2)
+    msg.kv.kv_transfer_params.update({"do_remote_decode": True})
+    req, want = to_generate_request(msg)
+    sp = req.sampling_params
+    # Zeros mean "not set": tito's defaults apply (max_tokens fills the context, no top_k/top_p/min_p).
+    assert sp.model_fields_set == {"temperature", "seed", "n", "stop_token_ids", "logprobs"}
+    assert (sp.temperature, sp.seed, sp.n, sp.stop_token_ids, sp.logprobs) == (0.5, 7, 1, [2], 3)
+    assert req.cache_salt == "dynamo-cache-salt:abc" and req.priority == -2 and req.model == "tiny"
+    assert req.kv_transfer_params == {"do_remote_decode": True}
+    assert want.stops == ["\n\n"] and want.token_ids and want.logprobs and not want.skip_special
+    assert not want.prompt_logprobs
+
+
+@pytest.mark.parametrize("msg, param", [
+    (ipb.GenerateRequest(text="hello"), "text"),
+    (_req(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    (_req(media=[ipb.MediaItem(modality=ipb.MODALITY_IMAGE, url="http://x/y.png")]), "media"),
+    (_req(decoding=ipb.DecodingParameters(regex="a+")), "decoding.structured_output"),
+    (_req(response=ipb.ResponseOptions(output_candidates=ipb.CandidateTokens(token_ids=ipb.TokenIds(ids=[1])))),
+     "response.output_candidates"),
+    (_req(stopping=ipb.StoppingCriteria(stop_strings=["x"] * 65)), "stopping.stop_strings"),
+    (_req(stopping=ipb.StoppingCriteria(stop_strings=["x"]), sampling=ipb.RandomSampling(num_sequences=2)),
+     "stopping.stop_strings"),
+], ids=["text", "truncate", "media", "structured", "candidate ids", "too many stops", "stops with n>1"])
+def test_refused_before_the_engine(msg: ipb.GenerateRequest, param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        to_generate_request(msg)
+    assert e.value.status == 400 and e.value.param == param
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+@pytest.fixture(scope="module")
+def detok(tiny_model: Path) -> Detokenizer:
+    d = Detokenizer.load(str(tiny_model))
+    assert d is not None
+    return d
+
+
+def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
+    tok = detok.tokenizer
+    ids = tok.encode("The sea was calm, and the ship sailed on.").ids
+    prompt, out = ids[:3], ids[3:]
+    s = detok.stream(prompt)
+    pieces = []
+    for t in out:
+        assert s.add([t]) == 1
+        pieces.append(s.take(False))
+    pieces.append(s.take(True))
+    assert "".join(pieces) == tok.decode(ids)[len(tok.decode(prompt)):]
+    assert Detokenizer.load(str(ROOT / "no-such-model")) is None
+
+
+def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
+    tok = detok.tokenizer
+    ids = tok.encode("one two three four five").ids
+    text = tok.decode(ids)[len(tok.decode(ids[:1])):]
+    cut = text.index("three")
+    for include, want in ((False, text[:cut]), (True, text[:cut + 5])):
+        s = detok.stream(ids[:1], stops=["three", "nine"], include_stop=include)
+        sent, kept = "", 0
+        for t in ids[1:]:
+            n = s.add([t])
+            kept += n
+            sent += s.take(False)
+            if s.stopped:
+                break
+        assert s.stopped == "three" and sent == want
+        # The sequence ends with the token that completed the stop string.
+        assert "three" in tok.decode(ids[1:1 + kept]) and "three" not in tok.decode(ids[1:kept])
+    # Text that may still start a stop string is held back until the stream ends.
+    s = detok.stream(ids[:1], stops=["two xyz"])
+    s.add(ids[1:4])  # "e two": within the 6 characters held back while "two xyz" may still follow
+    assert s.take(False) == "" and s.take(True) == "e two"
+    # Not before min_tokens: the sequence runs on.
+    s = detok.stream(ids[:1], stops=["two"], min_tokens=10)
+    assert s.add(ids[1:]) == len(ids) - 1 and s.stopped is None
+
+
+# ------------------------------------------------------------------------------------------------ trust boundary
+
+
+@pytest.mark.parametrize("peer, loopback", [
+    ("ipv4:127.0.0.1:5000", True), ("ipv4:127.8.9.1:1", True), ("ipv6:[::1]:5000", True),
+    ("ipv6:[::ffff:127.0.0.1]:80", True), ("unix:/tmp/s", True), ("ipv4:192.0.2.7:5000", False),
+    ("ipv6:[fd00::2]:5000", False), ("ipv4:nonsense", False), ("", False)])
+def test_loopback_peers(peer: str, loopback: bool) -> None:
+    assert is_loopback_peer(peer) is loopback
+
+
+def _outbound_ip() -> str | None:
+    """An address of this machine that is not loopback (the route to a documentation address), if any."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))
+            ip = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.fixture
+async def vllm_served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StandInState, grpc.aio.Channel]]:
+    params = dict(getattr(request, "param", {}))
+    target = params.pop("target", "127.0.0.1")
+    host = params.pop("host", "127.0.0.1")
+    state = StandInState(**params)
+    state.settings = state.settings.replace(host=host)
+    server = GrpcServer(state)  # type: ignore[arg-type]
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"{target}:{state.settings.grpc_port}")
+    try:
+        yield state, channel
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def _bearer(key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if key is None else (("authorization", f"Bearer {key}"),)
+
+
+async def _calls(channel: grpc.aio.Channel, key: str | None) -> tuple[grpc.StatusCode, grpc.StatusCode]:
+    """(Inference.GenerateStream, Control.IsSleeping) with ``key``: past the key check the first reaches tito's
+    admission (the stand-in drains: UNAVAILABLE), the second answers (OK)."""
+    md = _bearer(key)
+    gen, _ = await _code(ipb_grpc.InferenceStub(channel).GenerateStream(_req(), metadata=md))
+    ctl, _ = await _code(cpb_grpc.ControlStub(channel).IsSleeping(cpb.IsSleepingRequest(), metadata=md))
+    return gen, ctl
+
+
+U, OPEN, OK = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("vllm_served", [{"api_key": KEY, "admin_api_key": ADMIN}], indirect=True)
+async def test_loopback_peers_need_no_key(vllm_served: tuple[StandInState, grpc.aio.Channel]) -> None:
+    _, channel = vllm_served
+    assert await _calls(channel, None) == (OPEN, OK)  # the sidecar beside tito sends no key
+    assert await _calls(channel, "wrong") == (OPEN, OK)
+
+
+@pytest.mark.parametrize("vllm_served", [{"api_key": KEY, "admin_api_key": ADMIN, "grpc_trust_loopback": False}],
+                         indirect=True)
+async def test_without_loopback_trust_every_call_needs_its_planes_key(
+        vllm_served: tuple[StandInState, grpc.aio.Channel]) -> None:
+    _, channel = vllm_served
+    assert await _calls(channel, None) == (U, U)
+    assert await _calls(channel, "wrong") == (U, U)
+    assert await _calls(channel, KEY) == (OPEN, U)  # the data key opens inference, not control (admin)
+    assert await _calls(channel, ADMIN) == (OPEN, OK)
+    code, details = await _code(cpb_grpc.ControlStub(channel).IsPaused(cpb.IsPausedRequest(), metadata=_bearer(KEY)))
+    assert code is U and "admin" in details
+
+
+@pytest.mark.skipif(_outbound_ip() is None, reason="no non-loopback address on this machine")
+@pytest.mark.parametrize("vllm_served", [{"api_key": KEY, "admin_api_key": ADMIN, "host": "0.0.0.0",
+                                          "target": _outbound_ip()}], indirect=True)
+async def test_a_remote_peer_needs_the_key(vllm_served: tuple[StandInState, grpc.aio.Channel]) -> None:
+    _, channel = vllm_served
+    assert await _calls(channel, None) == (U, U)
+    assert await _calls(channel, KEY) == (OPEN, U)
+    assert await _calls(channel, ADMIN) == (OPEN, OK)
+
+
+@pytest.mark.parametrize("vllm_served", [{}], indirect=True)
+async def test_no_keys_means_open_and_health_follows_readiness(
+        vllm_served: tuple[StandInState, grpc.aio.Channel]) -> None:
+    state, channel = vllm_served
+    assert await _calls(channel, None) == (OPEN, OK)
+    health = health_pb2_grpc.HealthStub(channel)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("vllm.Control", "vllm.Inference"):
+        state.not_ready_reason = None
+        assert (await health.Check(health_pb2.HealthCheckRequest(service=service))).status == serving
+        for reason in ("starting", "draining", "shutting_down", "engine_dead"):
+            state.not_ready_reason = reason
+            assert (await health.Check(health_pb2.HealthCheckRequest(service=service))).status == not_serving
+
+
+# ------------------------------------------------------------------------------------------------ tito serve's sidecar
+
+
+def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
+    from app.core.settings import Settings
+    from app.dynamo.sidecar import sidecar_command
+
+    base = Settings(dynamo_namespace="rl", port=8000)
+    with pytest.raises(SystemExit, match="--grpc-port"):
+        sidecar_command(base, {})
+    cmd, env = sidecar_command(base.replace(grpc_port=50051, enable_lora=True), {})
+    assert cmd[1:3] == ["-m", "dynamo.vllm.sidecar"]
+    args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert args == {"--grpc-endpoint": "127.0.0.1:50051", "--namespace": "rl", "--component": "backend",
+                    "--vllm-http-endpoint": "http://127.0.0.1:8000"}
+    assert "--enable-rl" not in cmd and "DYN_SYSTEM_PORT" not in env and env["DYN_LORA_ENABLED"] == "true"
+    # A system port (flag or environment) turns on RL discovery and the engine-control routes.
+    cmd, env = sidecar_command(base.replace(grpc_port=50051, dynamo_system_port=8081), {})
+    assert cmd[-1] == "--enable-rl" and env["DYN_SYSTEM_PORT"] == "8081"
+    cmd, env = sidecar_command(base.replace(grpc_port=50051), {"DYN_SYSTEM_PORT": "9000"})
+    assert cmd[-1] == "--enable-rl" and env["DYN_SYSTEM_PORT"] == "9000"
+    with pytest.raises(SystemExit, match="32767"):
+        sidecar_command(base.replace(grpc_port=50051, dynamo_system_port=40000), {})
+    # Listening everywhere: the sidecar still connects over loopback; trainers get this machine's name.
+    cmd, _ = sidecar_command(base.replace(grpc_port=50051, host="0.0.0.0"), {})
+    args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert args["--grpc-endpoint"] == "127.0.0.1:50051"
+    assert args["--vllm-http-endpoint"] == f"http://{socket.gethostname()}:8000"
+    cmd, _ = sidecar_command(base.replace(grpc_port=50051, dynamo_admin_base_url="http://rollout-0:8000/"), {})
+    assert "http://rollout-0:8000" in cmd
+
+
+def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
+    from app.dynamo.sidecar import stop
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])
+    try:
+        time.sleep(0.5)  # its handler is installed
+        assert stop(child, timeout=10) == 7
+    finally:
+        child.kill()
