@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 import httpx
+import pytest
+from tokenizers import Tokenizer
 
 from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
 from app.grpc.proto import vllm_inference_pb2 as ipb
@@ -92,6 +94,50 @@ def joined(messages: Iterable[ipb.GenerateResponse]) -> dict[str, Any]:
             assert out["finish"] is None
             out["finish"] = o.finish_info
     return out
+
+
+def stream_matches_http(server: ServerProcess, http: httpx.Client, ids: list[int], *, prompt_logprobs: bool,
+                        model: str = MODEL) -> None:
+    """``GenerateStream`` and ``Generate`` against tito's HTTP token route on the same server, greedy: the same tokens
+    and logprobs (1e-5), the tokenizer's text, the sidecar's stream shape; with ``prompt_logprobs`` also the prompt's
+    logprobs and ranks."""
+    tok = Tokenizer.from_file(str(model_dir(server) / "tokenizer.json"))
+    plp = {"prompt_logprobs": 1} if prompt_logprobs else {}
+    r = http.post("/inference/v1/generate", json={"token_ids": ids, "sampling_params": {
+        "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2, **plp}})
+    assert r.status_code == 200, r.text
+    direct = r.json()
+    choice = direct["choices"][0]
+    req = gen(ids, 12, logprobs=2, model=model, **({"prompt_logprobs": 1} if prompt_logprobs else {}))
+    got = joined(inference(server).GenerateStream(req))
+    assert got["tokens"] == choice["token_ids"]
+    assert got["messages"] > 1  # a message per engine step
+    # The detokenized deltas add up to the decoded output, but for an incomplete last character (random weights
+    # sample byte tokens), which vLLM's incremental detokenizer holds back too.
+    assert got["text"] == tok.decode(got["tokens"]).removesuffix("\ufffd")
+    want = [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert got["logprobs"] == pytest.approx(want, abs=1e-5)
+    # The sampled token is rank 1 (greedy); the candidates are the other tokens of the top 2.
+    assert got["ranks"] == [1] * 12
+    for cands, entry in zip(got["candidates"], choice["logprobs"]["content"], strict=True):
+        others = [t["token_id"] for t in entry["top_logprobs"] if t["token_id"] != entry["token_id"]]
+        assert [c[0] for c in cands] == others
+    prompt = got["prompt"]
+    assert prompt.num_prompt_tokens == len(ids)
+    if prompt_logprobs:
+        assert list(prompt.token_ids) == ids
+        assert len(prompt.logprobs) == len(prompt.ranks) == len(prompt.candidate_tokens) == len(ids)
+        http_prompt = [p[str(t)] for t, p in zip(ids[1:], direct["prompt_logprobs"][1:], strict=True)]
+        assert list(prompt.logprobs)[1:] == pytest.approx([p["logprob"] for p in http_prompt], abs=1e-5)
+        assert list(prompt.ranks)[1:] == [p["rank"] for p in http_prompt]
+    else:
+        assert not prompt.logprobs
+    f = got["finish"]
+    assert f.finish_reason == FINISH.LENGTH and f.num_output_tokens == 12
+    # Generate (unary) is the same answer in one message.
+    one = inference(server).Generate(req)
+    assert list(one.outputs.token_ids) == got["tokens"] and one.outputs.text == got["text"]
+    assert one.outputs.finish_info == f and one.prompt_info == prompt
 
 
 def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:

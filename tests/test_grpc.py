@@ -31,9 +31,9 @@ from smg_grpc_proto.generated import common_pb2
 
 from tests.grpc_client import Replica, code_of, collect, gen_request, start_replica, start_smg
 from tests.helpers import TIMING, metric_value
+from tests.sidecar import stream_matches_http
 from tests.streaming import GEN, wait_for
 from tests.sweep import fire, shapes
-from tests.tokenizer_files import model_with_tokenizer
 
 ENGINE = "vllm.grpc.engine.VllmEngine"
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [5, 6, 7, 8, 9, 10, 11, 12]]
@@ -41,8 +41,10 @@ BLOCK = 32  # replica a's KV block size: a few blocks of prompt publish KV event
 
 
 @pytest.fixture(scope="module")
-def tok_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_with_tokenizer(tiny_model, tmp_path_factory.mktemp("grpc-model") / "tiny-tok")
+def tok_model(tiny_model: Path) -> Path:
+    """The embedded model ships its tokenizer (app/tiny/tokenizer.py): smg tokenizes with it. (A stand-in tokenizer
+    written over it once declared an eos outside the vocabulary, and min_tokens killed replica a's engine.)"""
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,14 @@ def test_greedy_tokens_and_logprobs_match_http(a: Replica, stream: bool) -> None
         want = [None] + [float(np.float32(step[str(t)]["logprob"]))
                          for t, step in zip(ids[1:], http["prompt_logprobs"][1:], strict=True)]
         assert got["prompt_lp"] == want
+
+
+def test_vllm_inference_prompt_logprobs_match_http(b: Replica) -> None:
+    """vllm.Inference (the Dynamo sidecar's service) on the same port, on a replica without LoRA: the prompt's logprobs
+    and ranks equal HTTP's (the LoRA sidecar replicas refuse prompt logprobs, test_sidecar_grpc.py)."""
+    with httpx.Client(base_url=b.url, timeout=120) as http:
+        for ids in PROMPTS[:2]:
+            stream_matches_http(b.server, http, ids, prompt_logprobs=True, model="")
 
 
 def test_n_samples_and_seeded_sampling_match_http(a: Replica) -> None:

@@ -3,10 +3,12 @@ load), and tito's own families (requests by route/status, rejections, in-flight,
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,8 +37,12 @@ CONTEXT = PROMPT_LEN + MAX_TOKENS + 96
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Iterator[ServerProcess]:
     """Two sequences at a time, so a handful of requests keeps some waiting for capacity; and a KV cache of 20 blocks
-    of 128 tokens, room for one 2000-token request but not two, so the scheduler preempts under that load."""
-    model = long_context_model(tmp_path_factory.mktemp("metrics-model") / "tiny-long", CONTEXT)
+    of 128 tokens, room for one 2000-token request but not two, so the scheduler preempts under that load.
+
+    Its tokenizer also declares an eos that is not among the model's ids (``eos_outside_vocabulary``): this server is
+    the one engine of the suite that model directory costs nothing extra on; the metrics tests never use the eos."""
+    model = eos_outside_vocabulary(long_context_model(tmp_path_factory.mktemp("metrics-model") / "tiny-long",
+                                                      CONTEXT))
     server = start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
                         "--num-kv-blocks", "20", name="tito-metrics")
     yield server
@@ -47,6 +53,15 @@ def small(tmp_path_factory) -> Iterator[ServerProcess]:
 def c(small) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=small.url, timeout=120.0) as cl:
         yield cl
+
+
+def eos_outside_vocabulary(model: Path) -> Path:
+    """What a fine-tune leaves when it adds a special token as eos without resizing the embeddings: the tokenizer's eos
+    gets id 512 of a 512-id model (the CI run where a test fixture did this by accident lost its engine)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        cfg = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**cfg, "eos_token": "<|endoftext|>"}))
+    return model
 
 
 def scrape(c: httpx.Client) -> str:
@@ -188,3 +203,21 @@ def test_state_gauges_follow_pause_drain_and_weight_version(c):
     finally:
         c.post("/resume")
         c.delete("/drain")
+
+
+def test_an_eos_outside_the_vocabulary_refuses_min_tokens_and_the_engine_serves(c: httpx.Client) -> None:
+    """vLLM masks the tokenizer's eos while min_tokens is unmet by indexing the logits with it; id 512 of 512 logits
+    killed the EngineCore. tito refuses min_tokens on such a server (every route), serves everything else."""
+    body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 4, "min_tokens": 2, "temperature": 0}}
+    r = c.post(GEN, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "sampling_params.min_tokens" and "[512]" in err["message"], err
+    r = c.post("/v1/completions", json={"model": c.get("/v1/models").json()["data"][0]["id"], "prompt": [3, 1, 4],
+                                        "max_tokens": 4, "min_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    # min_tokens 0 (the default) and the rest of the request shapes are served; the engine is alive afterwards.
+    body["sampling_params"]["min_tokens"] = 0
+    r = c.post(GEN, json=body)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
+    assert c.get("/health").status_code == 200

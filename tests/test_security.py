@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from starlette.testclient import TestClient
 from app.core.protocol import ApiError, GenerateRequest
 from app.core.settings import Settings
 from app.engine.safe_pickle import UnsafePickleError, restricted_loads
-from app.engine.sampling import Limits, build_sampling_params, check_prompt, configured_limits
+from app.engine.sampling import Limits, build_sampling_params, check_prompt, configured_limits, min_tokens_refusal
 from app.main import create_app
 from app.server.security import Keys, Plane, classify
 from app.weights.paths import allowed_roots, resolve_allowed
@@ -290,6 +291,19 @@ def test_prompt_logprobs_refused_where_lora_wraps_the_lm_head():
         assert "--enable-lora" in e.value.message
     build_sampling_params(_sp(n=4, logprobs=5), lim)  # everything else as before
     assert not configured_limits(LIMITS, Settings.build(env={})).prompt_logprobs_refusal
+
+
+def test_min_tokens_refused_where_an_eos_lies_outside_the_vocabulary():
+    """A tokenizer eos past the model's ids killed the engine on min_tokens (vLLM masks it by index); such a server
+    refuses min_tokens > 0 naming the ids, and configured_limits keeps the refusal."""
+    lim = replace(LIMITS, min_tokens_refusal=min_tokens_refusal((512,), 512))
+    assert not min_tokens_refusal((), 512)
+    lim = configured_limits(lim, Settings.build(env={}))
+    with pytest.raises(ApiError) as e:
+        build_sampling_params(_sp(min_tokens=1, max_tokens=4), lim)
+    assert e.value.status == 400 and e.value.param == "sampling_params.min_tokens" and "[512]" in e.value.message
+    build_sampling_params(_sp(min_tokens=0, max_tokens=4), lim)
+    build_sampling_params(_sp(min_tokens=3, max_tokens=4), LIMITS)
 
 
 # --------------------------------------------------------------------------------------------------- errors

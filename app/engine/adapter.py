@@ -186,10 +186,26 @@ class ModelFacts:
     bos_token_id: int | None = None
     multimodal: bool = False  # takes content_parts / features (a multimodal model with its processor loaded)
     tokenizer: bool = False  # the engine loaded the model's tokenizer: text routes work (see loads_tokenizer)
+    # The eos ids vLLM adds to every request's stop set (the tokenizer's, generation_config's) that lie outside the
+    # model's vocabulary; see app/engine/sampling.py ``MIN_TOKENS_OUT_OF_VOCAB``.
+    stop_ids_outside_vocab: tuple[int, ...] = ()
 
 
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) else None
+
+
+def _stop_ids_outside_vocab(llm: AsyncLLM, vocab_size: int) -> tuple[int, ...]:
+    """The eos ids vLLM's input processor puts in every request's stop set (``update_from_generation_config``:
+    the tokenizer's eos and generation_config's) that are not ids of the model's vocabulary."""
+    ip = llm.input_processor
+    ids: set[int] = set()
+    eos = ip.renderer.get_eos_token_id() if ip.renderer.tokenizer is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    gen = (ip.generation_config_fields or {}).get("eos_token_id")
+    ids.update([gen] if isinstance(gen, int) else [i for i in gen or () if isinstance(i, int)])
+    return tuple(sorted(i for i in ids if not 0 <= i < vocab_size))
 
 
 class Engine:
@@ -228,6 +244,7 @@ class Engine:
             bos_token_id=_int_or_none(getattr(hf, "bos_token_id", None)),
             multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init and ships_processor(settings.model)),
             tokenizer=not mc.skip_tokenizer_init,
+            stop_ids_outside_vocab=_stop_ids_outside_vocab(llm, int(mc.get_vocab_size())),
         )
         self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
 

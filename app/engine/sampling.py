@@ -31,6 +31,7 @@ class Limits:
     max_logit_bias: int = 1024
     max_stop_token_ids: int = 1024
     prompt_logprobs_refusal: str = ""  # why prompt_logprobs is refused on this server ("": served)
+    min_tokens_refusal: str = ""  # why min_tokens > 0 is refused on this server ("": served)
 
 
 # vLLM 0.32 computes prompt logprobs through the LoRA-wrapped LM head with the LoRA mapping of the step's *sampled*
@@ -44,6 +45,19 @@ LORA_PROMPT_LOGPROBS = (
     "LoRA LM head with one adapter index per request instead of one per prompt token, which kills the engine (CPU) or "
     "misapplies adapters (GPU) whenever other sequences share the step (vLLM issue 16668). Ask a server without "
     "--enable-lora for prompt logprobs.")
+
+
+# vLLM masks every id of a request's stop set (its stop_token_ids plus the eos ids it adds from the tokenizer and
+# generation_config) while min_tokens is unmet, by indexing the logits with them: an eos id past the model's
+# vocabulary (a tokenizer whose special tokens are not among the model's ids) raises an IndexError in the worker and
+# the EngineCore dies. The ids come from the model directory, not the request, so such a server refuses min_tokens.
+def min_tokens_refusal(stop_ids_outside_vocab: tuple[int, ...], vocab_size: int) -> str:
+    if not stop_ids_outside_vocab:
+        return ""
+    return (f"min_tokens is not served with this model: its tokenizer or generation_config declares eos id(s) "
+            f"{list(stop_ids_outside_vocab)} outside the model's vocabulary ({vocab_size} ids), which vLLM 0.32 masks "
+            "while min_tokens is unmet and which kills the engine. Fix the model directory's tokenizer files, or "
+            "start the server with --skip-tokenizer-init.")
 
 
 def configured_limits(limits: Limits, settings: Settings, lora_wraps_logits: bool = False) -> Limits:
@@ -147,6 +161,8 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
             raise bad_request("logit_bias values must be finite numbers.", sp + "logit_bias")
     if wire.min_tokens is not None and wire.min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {wire.min_tokens}.", sp + "min_tokens")
+    if wire.min_tokens and limits.min_tokens_refusal:
+        raise bad_request(limits.min_tokens_refusal, sp + "min_tokens")
 
     if req.priority != 0 and not limits.priority_scheduling:
         raise bad_request("priority other than 0 needs a server started with --scheduling-policy priority.",

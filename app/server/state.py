@@ -16,7 +16,7 @@ from app.core.multimodal import MediaPolicy
 from app.core.protocol import ApiError
 from app.core.settings import Settings
 from app.engine.adapter import Engine, EngineDead, EngineRejected, ModelFacts
-from app.engine.sampling import Limits
+from app.engine.sampling import Limits, min_tokens_refusal
 from app.server.control import ControlPlane
 from app.weights.lora import LoraEntry, LoraManager
 from app.weights.updates import WeightManager
@@ -59,7 +59,10 @@ class AppState:
     def __post_init__(self) -> None:
         f = self.engine.facts
         self.limits = Limits(vocab_size=f.vocab_size, max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
-                             max_logprobs=f.max_logprobs, priority_scheduling=f.priority_scheduling)
+                             max_logprobs=f.max_logprobs, priority_scheduling=f.priority_scheduling,
+                             min_tokens_refusal=min_tokens_refusal(f.stop_ids_outside_vocab, f.vocab_size))
+        if self.limits.min_tokens_refusal:
+            log.warning("%s", self.limits.min_tokens_refusal)
         self._idle.set()
         # Each manager gets what it uses (the engine, its settings, narrow callbacks), never this object: the
         # arrows point one way, server -> weights -> engine.
