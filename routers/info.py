@@ -126,6 +126,7 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "max_loras": f.max_loras,
             "max_lora_rank": f.max_lora_rank,
             "prompt_logprobs": not state.limits.prompt_logprobs_refusal,  # refused when LoRA wraps the LM head
+            "min_tokens": not state.limits.min_tokens_refusal,  # refused when an eos id lies outside the vocabulary
             "routed_experts": False,  # tito does not return routed experts (the wire's field is always null)
             "prefix_caching": s.enable_prefix_caching,
             "priority_scheduling": f.priority_scheduling,

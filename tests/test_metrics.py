@@ -221,3 +221,4 @@ def test_an_eos_outside_the_vocabulary_refuses_min_tokens_and_the_engine_serves(
     r = c.post(GEN, json=body)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
     assert c.get("/health").status_code == 200
+    assert c.get("/server_info").json()["features"]["min_tokens"] is False
