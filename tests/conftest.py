@@ -34,12 +34,14 @@ import httpx
 import pytest
 
 from app.tiny.model import make_tiny_model
+from tests import budget
 from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
+    config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
 
 
 # Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,16 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Start:
+    """One server start, for the suite's time summary (tests/budget.py): its log name, the test module whose setup
+    or test started it, and the seconds until its health path answered 200."""
+
+    name: str
+    module: str
+    seconds: float
+
+
 class ServerProcess:
     """A server subprocess in its own process group, so stopping it leaves no EngineCore orphans.
 
@@ -40,6 +51,8 @@ class ServerProcess:
     (and any client in it) for the whole generation: a ``POST /resume`` answered in 2 ms reached the client after
     10 s in half of the tries, and Prometheus samples taken "during" a load all came after it. In one session the
     kernel shares the CPU task by task."""
+
+    starts: list[Start] = []  # every healthy start of this run, in order
 
     def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
                  health_path: str = "/health") -> None:
@@ -56,6 +69,8 @@ class ServerProcess:
         """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
         answer of any status (a tito server is then still starting); what it returns is kept in ``first_answers``."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        t0 = time.monotonic()
+        module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(ROOT), process_group=0)
         deadline = time.monotonic() + timeout
@@ -68,6 +83,7 @@ class ServerProcess:
                     self.first_answers, on_answer = on_answer(self), None
                     continue
                 if r.status_code == 200:
+                    ServerProcess.starts.append(Start(self.log_path.stem, module, time.monotonic() - t0))
                     return self
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,64 @@
+"""The suite's time budget (issue 28: ``make test`` in 20 minutes on a 2-core machine), printed at the end of every
+run: seconds per module (setup, call and teardown of its tests, reruns included), the engine starts each module
+waited for, and a warning naming the slowest modules when the run passes the budget.
+
+A warning, not a failure: the same run takes twice as long on a machine others share, and a red suite for that
+would say nothing about the code. ``TITO_TEST_BUDGET_S`` sets the budget (default: 20 minutes less a minute of lint).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+
+from tests.helpers import ServerProcess
+
+BUDGET_S = float(os.environ.get("TITO_TEST_BUDGET_S", str(19 * 60)))
+SLOWEST = 5
+
+_t0 = [time.monotonic()]
+_module_s: defaultdict[str, float] = defaultdict(float)
+_tests: defaultdict[str, set[str]] = defaultdict(set)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _t0[0] = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::")[0]
+    _module_s[module] += report.duration
+    if report.when == "call":
+        _tests[module].add(report.nodeid)
+
+
+def _starts_by_module() -> dict[str, list[tuple[str, float]]]:
+    by: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for start in ServerProcess.starts:
+        by[start.module].append((start.name, start.seconds))
+    return by
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _module_s:
+        return
+    tr = terminalreporter
+    wall = time.monotonic() - _t0[0]
+    starts = _starts_by_module()
+    tr.section("time per module (seconds; engine starts it waited for)")
+    by_time = sorted(_module_s.items(), key=lambda kv: -kv[1])
+    for module, seconds in by_time:
+        mine = starts.get(module, [])
+        waited = f"  {len(mine)} start(s) {sum(s for _, s in mine):.0f}s: " + \
+            ", ".join(f"{n} {s:.0f}s" for n, s in mine) if mine else ""
+        tr.write_line(f"{seconds:8.1f}  {module} ({len(_tests[module])} tests){waited}")
+    all_starts = [s for ss in starts.values() for s in ss]
+    tr.write_line(f"{sum(_module_s.values()):8.1f}  all modules; {len(all_starts)} server starts "
+                  f"({sum(s for _, s in all_starts):.0f}s to healthy, summed); session wall time {wall:.0f}s")
+    if wall > BUDGET_S:
+        slow = ", ".join(f"{m} {s:.0f}s" for m, s in by_time[:SLOWEST])
+        tr.write_line(f"WARNING: the suite took {wall:.0f}s, over its budget of {BUDGET_S:.0f}s "
+                      f"(TITO_TEST_BUDGET_S; issue 28). Slowest modules: {slow}", yellow=True, bold=True)
