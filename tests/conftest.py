@@ -110,6 +110,20 @@ DATA_KEY, ADMIN_KEY = "data-key-3f9c", "admin-key-81d2"
 KEYED_MAX_MODEL_LEN = 128
 
 
+# What the default server answers right after its start, before any test can change it: a never-updated engine's
+# answers (``tito.fresh_answers``), test_weights.py's "same as a fresh engine on these weights".
+FRESH_BODIES = [{"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 2}},
+                *({"token_ids": p, "sampling_params": {"max_tokens": 16, "temperature": 0}}
+                  for p in ([1, 2, 3, 4, 5], [17, 300, 42, 9]))]
+
+
+def fresh_answers(s: ServerProcess) -> list[dict[str, Any]]:
+    with httpx.Client(base_url=s.url, timeout=120.0) as c:
+        answers = [c.post(GEN, json=body) for body in FRESH_BODIES]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    return [r.json()["choices"][0] for r in answers]
+
+
 def first_answers(s: ServerProcess) -> dict[str, httpx.Response]:
     """Every kind of route, asked at the port's first answer while the engine is still starting."""
     with httpx.Client(base_url=s.url, timeout=5.0) as c:
@@ -190,7 +204,9 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     timeout = start_timeout(2.5)
 
     def default() -> ServerProcess:
-        return start_tito(tmp_path_factory, tiny_model, timeout=timeout)
+        s = start_tito(tmp_path_factory, tiny_model, timeout=timeout)
+        s.fresh_answers = fresh_answers(s)
+        return s
 
     def long() -> ServerProcess:
         model = long_context_model(tmp_path_factory.mktemp("long-model") / "tiny-long", LONG_CONTEXT)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.tiny.model import TINY_CONFIG, tiny_state_dict
-from tests.conftest import start_tito
+from tests.conftest import FRESH_BODIES
 from tests.helpers import (
     TIMING,
     ServerProcess,
@@ -243,24 +243,21 @@ def test_rl_loop_matches_fresh_weights(client, root, base_greedy):
     assert client.get("/is_paused").json() == {"is_paused": False}
 
 
-def test_matches_a_fresh_engine_on_the_new_weights(client, root, tmp_path_factory):
-    """Once against a real second engine (not only transformers): started on step_2's weights + config."""
-    sd = tiny_state_dict(22)
-    fresh_dir = write_step(root / "fresh-step2", sd, config=True)
+def test_matches_a_fresh_engine_on_the_new_weights(client, root, tito):
+    """Once against a real second engine (not only transformers): what the session's default server, started on
+    the tiny model's weights, answered before any test could touch it (conftest.FRESH_BODIES), against this server
+    updated to those weights from another step's (an update from a checkpoint directory, not a reload)."""
+    fresh = tito.fresh_answers
     rl_step(client, root / "run" / "step_2", weight_version="step_2-again")
-    fresh = start_tito(tmp_path_factory, fresh_dir, "--max-model-len", "512", name="fresh")
-    try:
-        with httpx.Client(base_url=fresh.url, timeout=120) as fc:
-            body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 12, "temperature": 0,
-                                                                      "logprobs": 2}}
-            a = client.post(GEN, json=body).json()["choices"][0]
-            b = fc.post(GEN, json=body).json()["choices"][0]
-            assert a["token_ids"] == b["token_ids"]
+    step2 = client.post(GEN, json=FRESH_BODIES[0]).json()["choices"][0]
+    assert step2["logprobs"] != fresh[0]["logprobs"]  # step_2's weights answer otherwise
+    rl_step(client, write_step(root / "run" / "base-again", tiny_state_dict()), weight_version="base-again")
+    for body, b in zip(FRESH_BODIES, fresh, strict=True):
+        a = client.post(GEN, json=body).json()["choices"][0]
+        assert a["token_ids"] == b["token_ids"]
+        if b["logprobs"] is not None:
             assert [e["logprob"] for e in a["logprobs"]["content"]] == \
                 pytest.approx([e["logprob"] for e in b["logprobs"]["content"]], abs=1e-5)
-            assert greedy(client, n=16) == greedy(fc, n=16)
-    finally:
-        fresh.kill()
 
 
 def test_retry_is_a_noop_and_metrics_count_once(client, root):
