@@ -4,7 +4,8 @@
 - ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
   the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
-- ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``.
+- ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``, on the tiny model with a
+  4,192-token context (``LORA_CONTEXT``).
 - ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
   (started when first asked for).
 - ``sidecar_a`` / ``sidecar_b``: two replicas for vLLM's native gRPC services and Dynamo's sidecar in front of them
@@ -15,9 +16,17 @@
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
   and test_security.py (started when first asked for). Each module using it restores it at its end (``restore_server``
   with the admin key).
+- ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
+  test_fuzz.py's server (started when first asked for).
 
-Modules whose flags change what every test there observes (an admin key without a data key, other small caps, data
-parallel, KV-cache size, another model) and tests that end their server keep their own.
+A test that ends its server (SIGTERM, a killed engine) takes a shared one at the end of its life instead of starting
+its own: ``@pytest.mark.ends_server("<name>")`` runs it right after the last test using that server, and its
+``ending_server`` fixture hands the server over (a fresh one if it is gone, e.g. on a rerun). The flags those tests
+need are on the shared servers, where nothing else observes them: ``--engine-death-exit-delay``,
+``--exit-on-engine-death false``, ``--shutdown-timeout``.
+
+Modules whose flags change what every test there observes (other small caps, data parallel, KV-cache size, another
+model) keep their own.
 """
 
 from __future__ import annotations
@@ -41,13 +50,14 @@ from tests.streaming import GEN, long_context_model
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
+    config.addinivalue_line("markers", "ends_server(name): ends the shared server ``name`` (runs after its last user)")
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
 
 
 # Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
 _STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
 _ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
-                    "keyed_tito", "shared_servers", "sidecar_a", "sidecar_b"}
+                    "keyed_tito", "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b"}
 
 
 @functools.cache
@@ -69,6 +79,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or \
                 any(_starts_engine(d.func) for d in defs) or (func is not None and _starts_engine(func)):
             item.add_marker(pytest.mark.engine)
+    _run_enders_after_last_use(items)
+
+
+def ends_server(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("ends_server")
+    return str(marker.args[0]) if marker else None
+
+
+def _uses(item: pytest.Item, name: str) -> bool:
+    return name in getattr(item, "fixturenames", ()) or ends_server(item) == name
+
+
+def _run_enders_after_last_use(items: list[pytest.Item]) -> None:
+    """Move each test marked ``ends_server(name)`` after the module of the last other test that uses ``name`` (in
+    place when none does: it then gets a server of its own)."""
+    for item in [i for i in items if ends_server(i)]:
+        name = ends_server(item)
+        assert name is not None
+        at = items.index(item)
+        items.remove(item)
+        last = max((k for k, other in enumerate(items) if _uses(other, name)), default=None)
+        if last is None:
+            items.insert(at, item)
+            continue
+        module = getattr(items[last], "module", None)
+        while last + 1 < len(items) and getattr(items[last + 1], "module", None) is module:
+            last += 1
+        items.insert(last + 1, item)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +145,10 @@ def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: st
 LONG_CONTEXT = 60096  # endless requests (60,000 tokens) after a prompt of a few tokens
 # ``keyed_tito``'s API keys: the data plane's and the admin plane's.
 DATA_KEY, ADMIN_KEY = "data-key-3f9c", "admin-key-81d2"
-KEYED_MAX_MODEL_LEN = 128
+KEYED_MAX_MODEL_LEN, KEYED_MAX_NUM_SEQS = 128, 4
+LORA_CONTEXT = 4192  # the 4,000-token streams of test_engine_failure.py's stay-up test, after a short prompt
+FUZZ_ADMIN_KEY = "fuzz-admin-key-6b1e"
+FUZZ_MAX_MODEL_LEN = 64
 
 
 # What the default server answers right after its start, before any test can change it: a never-updated engine's
@@ -155,7 +196,7 @@ class SharedServers:
         self.pool = ThreadPoolExecutor(len(starts))
 
     def _users(self, items: list[pytest.Item]) -> set[str]:
-        return {n for n in self.starts for item in items if n in getattr(item, "fixturenames", ())}
+        return {n for n in self.starts for item in items if _uses(item, n)}
 
     def get(self, name: str) -> ServerProcess:
         if name not in self.futures:
@@ -167,6 +208,17 @@ class SharedServers:
                     self.futures[n] = self.pool.submit(self.starts[n])
             wait(list(self.futures.values()))
         return self.futures[name].result()
+
+    def take(self, name: str) -> ServerProcess:
+        """Hand ``name`` over to a test that ends it: the running one (no later test uses it, see
+        ``_run_enders_after_last_use``), or a new one when it is gone (a rerun) or was never started."""
+        f = self.futures.pop(name, None)
+        if f is not None and f.exception() is None:
+            server = f.result()
+            if server.proc is not None and server.proc.poll() is None:
+                return server
+            server.kill()
+        return self.starts[name]()
 
     def release_unused(self, item: pytest.Item) -> None:
         """After ``item``'s module: kill the servers no later test uses (frees their memory). Not ``tito``: its
@@ -211,14 +263,21 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     def long() -> ServerProcess:
         model = long_context_model(tmp_path_factory.mktemp("long-model") / "tiny-long", LONG_CONTEXT)
         # --liveness-timeout 5: the probes asked while a broadcast blocks the worker must answer well within the
-        # broadcast's timeout (test_weight_integrity.py); nothing else here depends on it.
+        # broadcast's timeout (test_weight_integrity.py); nothing else here depends on it. The exit delay: for
+        # test_engine_failure.py's death test, which ends this server (time for its checks after the kill).
         return start_tito(tmp_path_factory, model, "--max-model-len", str(LONG_CONTEXT), "--liveness-timeout", "5",
+                          "--engine-death-exit-delay", "20",
                           env={"TITO_TEST_FAULT_FILE": str(fault_file(tmp_path_factory))}, name="tito-long",
                           timeout=timeout, on_answer=first_answers)
 
     def lora() -> ServerProcess:
-        return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                          "--stream-interval", "4", name="tito-lora", timeout=timeout)
+        # The context and the engine-death flags: for test_engine_failure.py's stay-up test, which ends this server
+        # (streams of 4,000 tokens still running when it kills the engine).
+        model = long_context_model(tmp_path_factory.mktemp("lora-model") / "tiny-lora", LORA_CONTEXT)
+        return start_tito(tmp_path_factory, model, "--max-model-len", str(LORA_CONTEXT), "--enable-lora",
+                          "--max-lora-rank", "8", "--max-loras", "2", "--stream-interval", "4",
+                          "--exit-on-engine-death", "false", "--engine-death-exit-delay", "0.5", name="tito-lora",
+                          timeout=timeout)
 
     def keyed() -> ServerProcess:
         # Both keys from the environment, as a deployment would pass them; LoRA; JSON request logs; small request caps
@@ -228,10 +287,18 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
         return start_tito(tmp_path_factory, tiny_model, "--skip-tokenizer-init", "--enable-lora", "--max-lora-rank",
                           "8", "--log-requests",
                           "--log-format", "json", "--max-model-len", str(KEYED_MAX_MODEL_LEN), "--num-kv-blocks", "16",
-                          "--max-num-seqs", "4",
+                          "--max-num-seqs", str(KEYED_MAX_NUM_SEQS),
                           "--max-logprobs", "5", "--max-stop-token-ids", "4", "--max-logit-bias", "2",
-                          "--max-body-bytes", "65536", env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY},
-                          name="tito-keyed", timeout=timeout)
+                          "--max-body-bytes", "65536", "--shutdown-timeout", "600",
+                          env={"TITO_API_KEY": DATA_KEY, "TITO_ADMIN_API_KEY": ADMIN_KEY}, name="tito-keyed",
+                          timeout=timeout)
+
+    def fuzz() -> ServerProcess:
+        # Small caps keep valid generations short: at most 4 sequences of at most 64 tokens. The shutdown timeout: for
+        # test_lifecycle.py's second-signal test, which ends this server.
+        return start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-model-len", str(FUZZ_MAX_MODEL_LEN),
+                          "--max-num-seqs", "4", "--max-logprobs", "5", "--shutdown-timeout", "600",
+                          env={"TITO_ADMIN_API_KEY": FUZZ_ADMIN_KEY}, name="tito-fuzz", timeout=timeout)
 
     def sidecar_replica(name: str, own_sidecar: bool) -> Callable[[], ServerProcess]:
         def start() -> ServerProcess:
@@ -259,12 +326,13 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
     # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
-    # too: its users are test_client.py and test_security.py, started when the first of them asks for it.
+    # too: its users are test_client.py and test_security.py, started when the first of them asks for it; and the
+    # fuzzing one.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
-                                              "keyed_tito": keyed, "vllm_ref": vllm,
+                                              "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
                                               "sidecar_a": sidecar_replica("sidecar-a", False),
                                               "sidecar_b": sidecar_replica("sidecar-b", True)},
-                            lazy=frozenset({"keyed_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
+                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -295,6 +363,23 @@ def keyed_tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared server with API keys (test_client.py, test_security.py). Each module using it restores it at its
     end."""
     return shared_servers.get("keyed_tito")
+
+
+@pytest.fixture(scope="module")
+def fuzz_tito(shared_servers: SharedServers) -> ServerProcess:
+    """The shared fuzzing server (test_fuzz.py; the admin key alone). Put back at the end of the module."""
+    return shared_servers.get("fuzz_tito")
+
+
+@pytest.fixture
+def ending_server(request: pytest.FixtureRequest, shared_servers: SharedServers) -> Iterator[ServerProcess]:
+    """The shared server the test's ``ends_server`` marker names, handed over at the end of its life; killed after the
+    test, whatever the test did to it."""
+    name = ends_server(request.node)
+    assert name is not None, "ending_server needs @pytest.mark.ends_server(<shared server>)"
+    server = shared_servers.take(name)
+    yield server
+    server.kill()
 
 
 @pytest.fixture(scope="module")

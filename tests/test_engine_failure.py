@@ -9,6 +9,9 @@ be seconds late; it gets a looser bound (a stream that did not end would hang un
 
 The streams are long (4000 tokens, on the tiny model with a longer context), so they are surely still generating when
 the engine is killed, even if this process sees their first tokens late.
+
+Each test ends its server: it takes a shared one at the end of its life (``ends_server``, tests/conftest.py) and runs
+after that server's last other user.
 """
 
 from __future__ import annotations
@@ -16,27 +19,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
 )
-from tests.streaming import GEN, async_client, long_context_model, read_stream, stream_body, wait_for, wait_gone
+from tests.streaming import GEN, async_client, read_stream, stream_body, wait_for, wait_gone
 
 BOUND_S = 2.0
 STREAMS_BOUND_S = 10.0
 LONG = 4000
-
-
-def _long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return long_context_model(tmp_path_factory.mktemp("death-model") / "tiny-long", LONG + 96)
 
 
 def _engine_core(server: ServerProcess) -> psutil.Process:
@@ -112,34 +109,32 @@ def _check_dead(seen: dict[str, Any]) -> None:
 
 
 @TIMING
-def test_engine_death_then_exit_nonzero(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    # The exit delay leaves the checks after the kill (several requests) time to finish on a busy machine.
-    s = start_tito(tmp_path_factory, _long_model(tmp_path_factory), "--max-model-len", str(LONG + 96),
-                   "--max-num-seqs", "4", "--engine-death-exit-delay", "20", name="engine-death")
-    try:
-        assert s.proc is not None
-        family = psutil.Process(s.proc.pid).children(recursive=True)
-        seen = asyncio.run(_kill_and_observe(s, 4))
-        _check_dead(seen)
-        code = s.proc.wait(90)
-        assert code == 1, s.log_tail()
-        assert wait_gone(family, 15) == []
-        assert "engine is dead: EngineCore" in s.log_text()
-    finally:
-        s.kill()
+@pytest.mark.ends_server("long_tito")
+def test_engine_death_then_exit_nonzero(ending_server: ServerProcess) -> None:
+    # The shared long-context server at the end of its life (conftest.py: --engine-death-exit-delay 20, which leaves
+    # the checks after the kill, several requests, time to finish on a busy machine).
+    s = ending_server
+    assert s.proc is not None
+    log_start = len(s.log_text())
+    family = psutil.Process(s.proc.pid).children(recursive=True)
+    seen = asyncio.run(_kill_and_observe(s, 4))
+    _check_dead(seen)
+    code = s.proc.wait(90)
+    assert code == 1, s.log_tail()
+    assert wait_gone(family, 15) == []
+    assert "engine is dead: EngineCore" in s.log_text()[log_start:]
 
 
 @TIMING
-def test_engine_death_stays_up_for_inspection(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    s = start_tito(tmp_path_factory, _long_model(tmp_path_factory), "--max-model-len", str(LONG + 96),
-                   "--exit-on-engine-death", "false", "--engine-death-exit-delay", "0.5", name="engine-death-stay")
-    try:
-        assert s.proc is not None
-        seen = asyncio.run(_kill_and_observe(s, 2))
-        _check_dead(seen)
-        time.sleep(3)  # well past the exit delay
-        assert s.proc.poll() is None
-        r = httpx.get(s.url + "/health", timeout=30)
-        assert r.status_code == 503 and r.json()["status"] == "dead"
-    finally:
-        s.kill()
+@pytest.mark.ends_server("lora_tito")
+def test_engine_death_stays_up_for_inspection(ending_server: ServerProcess) -> None:
+    # The shared LoRA server at the end of its life (conftest.py: a 4,192-token context, --exit-on-engine-death false,
+    # --engine-death-exit-delay 0.5).
+    s = ending_server
+    assert s.proc is not None
+    seen = asyncio.run(_kill_and_observe(s, 2))
+    _check_dead(seen)
+    time.sleep(3)  # well past the exit delay
+    assert s.proc.poll() is None
+    r = httpx.get(s.url + "/health", timeout=30)
+    assert r.status_code == 503 and r.json()["status"] == "dead"

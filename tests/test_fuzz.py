@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,10 +22,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from app.server.security import Plane, classify
-from tests.conftest import start_tito
-from tests.helpers import ServerProcess
+from tests.conftest import FUZZ_ADMIN_KEY as ADMIN_KEY
+from tests.helpers import ServerProcess, restore_server
 
-ADMIN_KEY = "fuzz-admin-key-6b1e"
 EXAMPLES = 40
 GENERATE = "/inference/v1/generate"
 GENERATE_EXAMPLES = 200
@@ -43,12 +41,11 @@ DELIBERATE_5XX = {501: ("needs a GPU", "not supported"), 504: ("did not finish w
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # Small caps keep valid generations short: at most 4 sequences of at most 64 tokens.
-    server = start_tito(tmp_path_factory, tiny_model, "--enable-lora", "--max-model-len", "64", "--max-num-seqs",
-                        "4", "--max-logprobs", "5", env={"TITO_ADMIN_API_KEY": ADMIN_KEY}, name="tito-fuzz")
-    yield server
-    server.kill()
+def fuzzed(fuzz_tito: ServerProcess) -> Iterator[ServerProcess]:
+    """The shared fuzzing server (conftest.py: the admin key alone, LoRA, small caps: at most 4 sequences of at most
+    64 tokens). Put back at the end (test_lifecycle.py's second-signal test ends it after this module)."""
+    yield fuzz_tito
+    restore_server(fuzz_tito.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Probes, drain and SIGTERM on a real engine.
 
 The drain tests use the session's shared default server (they leave it undrained and resumed, also when they fail).
-Each SIGTERM test starts its own server, since it ends it.
+Each SIGTERM test ends its server: it takes a shared one at the end of its life (``ends_server``, tests/conftest.py)
+and runs after that server's last other user.
 
 Requests are held in flight on purpose with ``POST /pause?mode=keep`` (they freeze in the engine and continue after
 ``/resume``) while the test checks what a drain or a shutdown looks like from outside: on a quiet machine the tiny
@@ -15,13 +16,12 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import start_tito
+from tests.conftest import ADMIN_KEY, FUZZ_ADMIN_KEY, FUZZ_MAX_MODEL_LEN, KEYED_MAX_MODEL_LEN, KEYED_MAX_NUM_SEQS
 from tests.helpers import (
     TIMING,
     ServerProcess,
@@ -234,90 +234,94 @@ def test_drain_body_is_validated(server: ServerProcess) -> None:
 # --------------------------------------------------------------------------------------------------- SIGTERM
 
 
-@TIMING
-def test_sigterm_drains_in_flight_then_exits_0(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    # max-num-seqs 8 with 32 requests: most are still queued in the engine when SIGTERM arrives; they finish too.
-    s = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "8", "--shutdown-timeout", "120", name="sigterm")
-    try:
-        assert s.proc is not None
-        procs = family(s.proc.pid)
-        assert any("EngineCore" in p.name() for p in procs)
-        n, max_tokens, seats = 32, 128, 8
-
-        async def run() -> list[dict[str, Any]]:
-            async with async_client(s.url) as c:
-                # 8 running (they have tokens), 24 queued; frozen, so none of the queued can finish before the
-                # checks below. Without this a quiet machine finishes the whole load in about a second, the drain
-                # ends, and the server legitimately stops listening before the test's own probes are sent.
-                streams = await _running_then_queued(c, n, seats, max_tokens)
-                s.signal(signal.SIGTERM)
-                t0 = time.monotonic()
-                ready = await wait_for(lambda: _not_ready(c), 60)
-                assert ready == {"status": "not_ready", "reason": "shutting_down"}
-                # The listener stays open during the drain: new work gets a 503 it can retry elsewhere.
-                assert_busy_503(await c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
-                                "shutting down")
-                health = (await c.get("/health")).json()
-                # At most the 8 running ones can have finished before the pause; the queued 24 are still there.
-                assert health["state"] == "shutting_down" and health["inflight"] >= n - seats, health
-                await resume(c)  # the admin routes keep working while shutting down
-                results = await asyncio.wait_for(asyncio.gather(*streams), 120)
-                print(f"all {n} streams done {time.monotonic() - t0:.1f}s after SIGTERM")
-                return results
-
-        results = asyncio.run(run())
-        for res in results:
-            assert res["status"] == 200 and res["done"] and not res["errors"], res
-            assert len(res["tokens"]) == max_tokens and res["finish"] == "length"
-        code = s.proc.wait(120)
-        assert code == 0, s.log_tail()
-        assert wait_gone(procs, 15) == []
-        log = s.log_text()
-        assert "draining" in log and "0 aborted" in log
-    finally:
-        s.kill()
+def _admin_client(s: ServerProcess, key: str) -> httpx.AsyncClient:
+    c = async_client(s.url)
+    c.headers["Authorization"] = f"Bearer {key}"  # the admin key opens every route
+    return c
 
 
 @TIMING
-def test_second_signal_aborts_in_flight_and_exits_0(tiny_model: Path,
-                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    s = start_tito(tmp_path_factory, tiny_model, "--max-num-seqs", "4", "--shutdown-timeout", "600",
-                   name="sigterm2")
-    try:
-        assert s.proc is not None
-        procs = family(s.proc.pid)
-        n, max_tokens, seats = 16, 480, 4
+@pytest.mark.ends_server("keyed_tito")
+def test_sigterm_drains_in_flight_then_exits_0(ending_server: ServerProcess) -> None:
+    # The shared keyed server at the end of its life (conftest.py: --shutdown-timeout 600, 4 sequences at a time). 16
+    # requests on its 4 seats: most are still queued in the engine when SIGTERM arrives; they finish too.
+    s = ending_server
+    assert s.proc is not None
+    procs = family(s.proc.pid)
+    assert any("EngineCore" in p.name() for p in procs)
+    seats = KEYED_MAX_NUM_SEQS
+    n, max_tokens = 4 * seats, KEYED_MAX_MODEL_LEN - 28  # a 4-token prompt: the whole answer fits the context
+    log_start = len(s.log_text())
 
-        async def run() -> tuple[list[dict[str, Any]], float]:
-            async with async_client(s.url) as c:
-                # 4 running, 12 queued, all frozen: with a 600 s drain, only the second signal can end them, however
-                # fast the machine is.
-                streams = await _running_then_queued(c, n, seats, max_tokens)
-                s.signal(signal.SIGTERM)
-                await wait_for(lambda: _not_ready(c), 60)
-                s.signal(signal.SIGINT)  # shortens the 600 s drain to now
-                t0 = time.monotonic()
-                results = await asyncio.wait_for(asyncio.gather(*streams), 120)
-                return results, time.monotonic() - t0
+    async def run() -> list[dict[str, Any]]:
+        async with _admin_client(s, ADMIN_KEY) as c:
+            # 4 running (they have tokens), 12 queued; frozen, so none of the queued can finish before the checks
+            # below. Without this a quiet machine finishes the whole load in about a second, the drain ends, and the
+            # server legitimately stops listening before the test's own probes are sent.
+            streams = await _running_then_queued(c, n, seats, max_tokens)
+            s.signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            ready = await wait_for(lambda: _not_ready(c), 60)
+            assert ready == {"status": "not_ready", "reason": "shutting_down"}
+            # The listener stays open during the drain: new work gets a 503 it can retry elsewhere.
+            assert_busy_503(await c.post(GEN, json={"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
+                            "shutting down")
+            health = (await c.get("/health")).json()
+            # At most the running ones can have finished before the pause; the queued ones are still there.
+            assert health["state"] == "shutting_down" and health["inflight"] >= n - seats, health
+            await resume(c)  # the admin routes keep working while shutting down
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+            print(f"all {n} streams done {time.monotonic() - t0:.1f}s after SIGTERM")
+            return results
 
-        results, took = asyncio.run(run())
-        print(f"streams ended {took:.1f}s after the second signal")
-        assert took < 60, "the second signal must not wait out the 600 s drain"
-        finishes = [r["finish"] for r in results]
-        # Frozen in flight, so aborted: at most the first wave of 4 can have finished before the pause; the 12
-        # queued behind them surely had not.
-        assert finishes.count("abort") >= n - seats, finishes
-        for res in results:
-            assert res["status"] == 200 and res["done"] and not res["errors"], res
-            if res["finish"] == "abort":
-                assert len(res["tokens"]) < max_tokens  # partial: what was generated before the abort
-            else:
-                assert res["finish"] == "length" and len(res["tokens"]) == max_tokens
-        code = s.proc.wait(120)
-        assert code == 0, s.log_tail()
-        assert wait_gone(procs, 15) == []
-    finally:
-        s.kill()
+    results = asyncio.run(run())
+    for res in results:
+        assert res["status"] == 200 and res["done"] and not res["errors"], res
+        assert len(res["tokens"]) == max_tokens and res["finish"] == "length"
+    code = s.proc.wait(120)
+    assert code == 0, s.log_tail()
+    assert wait_gone(procs, 15) == []
+    log = s.log_text()[log_start:]  # what this server logged since the signal's test began
+    assert "draining" in log and "0 aborted" in log
+
+
+@TIMING
+@pytest.mark.ends_server("fuzz_tito")
+def test_second_signal_aborts_in_flight_and_exits_0(ending_server: ServerProcess) -> None:
+    # The shared fuzzing server at the end of its life (conftest.py: --shutdown-timeout 600, 4 sequences at a time).
+    s = ending_server
+    assert s.proc is not None
+    procs = family(s.proc.pid)
+    n, max_tokens, seats = 16, FUZZ_MAX_MODEL_LEN - 16, 4
+
+    async def run() -> tuple[list[dict[str, Any]], float]:
+        async with _admin_client(s, FUZZ_ADMIN_KEY) as c:
+            # 4 running, 12 queued, all frozen: with a 600 s drain, only the second signal can end them, however
+            # fast the machine is.
+            streams = await _running_then_queued(c, n, seats, max_tokens)
+            s.signal(signal.SIGTERM)
+            await wait_for(lambda: _not_ready(c), 60)
+            s.signal(signal.SIGINT)  # shortens the 600 s drain to now
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+            return results, time.monotonic() - t0
+
+    results, took = asyncio.run(run())
+    print(f"streams ended {took:.1f}s after the second signal")
+    assert took < 60, "the second signal must not wait out the 600 s drain"
+    finishes = [r["finish"] for r in results]
+    # Frozen in flight, so aborted: at most the first wave of 4 can have finished before the pause; the 12
+    # queued behind them surely had not.
+    assert finishes.count("abort") >= n - seats, finishes
+    for res in results:
+        assert res["status"] == 200 and res["done"] and not res["errors"], res
+        if res["finish"] == "abort":
+            assert len(res["tokens"]) < max_tokens  # partial: what was generated before the abort
+        else:
+            assert res["finish"] == "length" and len(res["tokens"]) == max_tokens
+    code = s.proc.wait(120)
+    assert code == 0, s.log_tail()
+    assert wait_gone(procs, 15) == []
 
 
 async def _not_ready(c: httpx.AsyncClient) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import LORA_CONTEXT
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.reference import Reference
 from tests.sweep import fire, prompt_logprob_shapes, shapes
@@ -176,7 +177,7 @@ def test_adapter_output_matches_merged_reference(lc, w1, ref1, base_ref, work) -
     try:
         models = lc.get("/v1/models").json()["data"]
         base = models[0]
-        assert base["parent"] is None and base["max_model_len"] == 512
+        assert base["parent"] is None and base["max_model_len"] == LORA_CONTEXT
         card = next(m for m in models if m["id"] == "a1")
         assert card["parent"] == base["id"] and card["root"] == str(path.resolve())
         for p in PROMPTS:
