@@ -13,7 +13,7 @@ BENCH_ARGS  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve test lint unit bench install model clean help trainers
+.PHONY: serve test lint unit bench install model clean help trainers trainers-bg
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
@@ -40,20 +40,38 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 	touch $@
 
 # SkyRL 0.4's clients, for tests/test_trainers.py: SkyRL needs Python >= 3.12 (its pydantic models refuse 3.11), so
-# they get a venv of their own. No CPU torch wheel exists for 3.12 here, so pip takes PyPI's (CUDA) build: ~5 GB,
-# 3 to 19 minutes (measured; the network and the disk dominate), once per machine: the venv lives outside the checkout
-# so every clone (CI's too) reuses it. The tests skip SkyRL's checks when this venv is missing.
+# they get a venv of their own, outside the checkout so every clone (CI's too) reuses it; the tests skip SkyRL's checks
+# when it is missing. No CPU torch wheel exists for 3.12 here, so torch is PyPI's CUDA build, whose libtorch_cuda.so
+# (loaded by `import torch` even on a CPU) links most CUDA libraries: the pinned list installs with --no-deps and leaves
+# out only what nothing loads (triton, cusolver, cupti, nvtx, cuda-bindings: ~1 GB of 5.3). The stamp carries the
+# list's hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not.
 TRAINERS_VENV   ?= $(HOME)/.cache/tito/venv-trainers
 TRAINERS_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+TRAINERS_REQS   := tests/trainer_clients/skyrl-requirements.txt
+TRAINERS_STAMP  := $(TRAINERS_VENV)/.installed-$(firstword $(shell sha256sum $(TRAINERS_REQS)))
 export TITO_TRAINERS_VENV := $(abspath $(TRAINERS_VENV))
 
-$(TRAINERS_VENV)/.installed:
+# The import at the end fails the build, not the tests, should a pin be missing.
+$(TRAINERS_STAMP):
 	mkdir -p $(dir $(TRAINERS_VENV))
-	$(TRAINERS_PYTHON) -m venv $(TRAINERS_VENV)
-	$(TRAINERS_VENV)/bin/pip install -q torch==2.13.0 skyrl==0.4.0 loguru aiohttp orjson pybase64 requests
-	touch $@
+	$(TRAINERS_PYTHON) -m venv --clear $(TRAINERS_VENV)
+	$(TRAINERS_VENV)/bin/pip install -q --no-deps -r $(TRAINERS_REQS)
+	$(TRAINERS_VENV)/bin/python -c "import torch, skyrl.backends.skyrl_train.inference_servers.remote_inference_client, skyrl.backends.skyrl_train.weight_sync.control_plane"
+	touch $(TRAINERS_VENV)/.installed $@
 
-trainers: $(TRAINERS_VENV)/.installed
+trainers: $(TRAINERS_STAMP)
+
+# `make test` starts building SkyRL's venv first, in the background, beside the main venv's install, lint and the suite;
+# tests/test_trainers.py (near the end of the suite) waits for it. TITO_TRAINERS_BUILD: the build's log; .pid its
+# process, .rc its exit status once it ends.
+TRAINERS_BUILD := $(TITO_TRAINERS_VENV).build.log
+export TITO_TRAINERS_BUILD := $(TRAINERS_BUILD)
+
+trainers-bg:
+	@if [ -f $(TRAINERS_STAMP) ]; then rm -f $(TRAINERS_BUILD) $(TRAINERS_BUILD).rc $(TRAINERS_BUILD).pid; else \
+	  mkdir -p $(dir $(TRAINERS_VENV)); rm -f $(TRAINERS_BUILD).rc; \
+	  ( $(MAKE) --no-print-directory trainers; echo $$? > $(TRAINERS_BUILD).rc ) > $(TRAINERS_BUILD) 2>&1 & \
+	  echo $$! > $(TRAINERS_BUILD).pid; echo "building SkyRL's venv in the background: $(TRAINERS_BUILD)"; fi
 
 install: $(VENV)/.installed-cpu
 
@@ -72,7 +90,7 @@ lint: $(VENV)/.installed-test
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
-test: $(VENV)/.installed-test $(TRAINERS_VENV)/.installed $(MODEL)/config.json lint
+test: trainers-bg $(VENV)/.installed-test $(MODEL)/config.json lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
