@@ -282,7 +282,8 @@ class OpenAILayer:
                 raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
             raise validation_error(e) from None
         except Exception as e:  # noqa: BLE001 - vLLM's model validators raise its own errors, which pydantic passes on
-            raise _as_api_error(e) from None
+            err = _as_api_error(e)  # anything else: a validator tripping over a malformed body (test_fuzz.py), a 400
+            raise (err if isinstance(err, ApiError) else bad_request(f"invalid body: {e!r}", "body")) from None
 
     def _need_tokenizer(self, what: str, param: str | None = None) -> None:
         if not self.tokenizer:
