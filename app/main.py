@@ -16,11 +16,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.core.metrics import HttpMiddleware, RequestMetrics
-from app.core.protocol import ApiError, GenerateRequest, error_body, errors_to_api_error, json_response, status_phrase
+from app.core.protocol import (
+    ApiError,
+    GenerateRequest,
+    content_length_refusal,
+    error_body,
+    errors_to_api_error,
+    json_response,
+    send_api_error,
+    status_phrase,
+)
 from app.core.settings import Settings
 from app.engine.adapter import Engine
 from app.server.security import install_security
 from app.server.state import AppState
+from routers.generate import GENERATE_PATH
 
 log = logging.getLogger("tito")
 
@@ -107,14 +117,9 @@ class BodyLimit(HttpMiddleware):
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         for k, v in scope["headers"]:
             if k == b"content-length":
-                try:
-                    size = int(v)
-                except ValueError:
-                    size = -1
-                if size > self.limit or size < 0:
-                    msg = (f"request body of {size} bytes exceeds the limit of {self.limit} bytes."
-                           if size > 0 else "invalid Content-Length header.")
-                    await _send_error(send, 413 if size > 0 else 400, msg)
+                refused = content_length_refusal(v, self.limit)
+                if refused is not None:
+                    await send_api_error(send, refused)
                     return
                 await self.app(scope, receive, send)
                 return
@@ -132,12 +137,6 @@ class BodyLimit(HttpMiddleware):
             return msg
 
         await self.app(scope, counted, send)
-
-
-async def _send_error(send: Send, status: int, message: str) -> None:
-    resp = json_response(error_body(status, message), status)
-    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
-    await send({"type": "http.response.body", "body": resp.body})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -162,12 +161,39 @@ def _install_error_handlers(app: FastAPI) -> None:
         return json_response(error_body(500, f"internal error: {type(exc).__name__}"), 500)
 
 
-def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
-    """Build the app. ``engine`` injects an already-built engine (tests); otherwise the lifespan starts one."""
+class TitoApp(FastAPI):
+    """The FastAPI app, with the generate route's lean path in front of it (issue 29): ``POST
+    /inference/v1/generate`` goes straight to ``routers.generate.Lean``, which does what the middleware below and
+    FastAPI's routing do for that route, in one layer; every other request takes the stack. A middleware added after
+    ``create_app`` (``--log-requests`` mounts the request log so) turns the lean path off, so that it sees every
+    request: the route is then served through the stack, by the same code (``routers.generate.serve_generate``)."""
+
+    lean: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lean = self.lean
+        if lean is not None and scope["type"] == "http" and scope["path"] == GENERATE_PATH \
+                and scope["method"] == "POST" and not scope.get("root_path"):
+            await lean(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    def add_middleware(self, middleware_class: Any, *args: Any, **kwargs: Any) -> None:
+        if self.lean is not None:
+            log.info("%s added after create_app: %s takes the middleware stack", getattr(
+                middleware_class, "__name__", middleware_class), GENERATE_PATH)
+            self.lean = None
+        super().add_middleware(middleware_class, *args, **kwargs)
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None, lean: bool = True) -> TitoApp:
+    """Build the app. ``engine`` injects an already-built engine (tests); otherwise the lifespan starts one.
+    ``lean=False`` serves the generate route through the middleware stack too (tests hold both to the same bytes)."""
     from routers import ALL
+    from routers.generate import Lean
 
     settings = settings or Settings.build()
-    app = FastAPI(title="tito", version=__version__, lifespan=lifespan,
+    app = TitoApp(title="tito", version=__version__, lifespan=lifespan,
                   description="Token-in/token-out inference server for RL rollouts, on vLLM.")
     app.state.settings = settings
     app.state.engine_override = engine
@@ -179,6 +205,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     install_security(app, settings)  # API keys: before the body is read, inside the request counter
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
     _add_schemas(app)
+    if lean:
+        app.lean = Lean(app)
     return app
 
 

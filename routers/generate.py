@@ -1,24 +1,26 @@
 """``POST /inference/v1/generate``: vLLM 0.32's token-in/token-out API, JSON and SSE.
 
-Hot path: the body is validated by pydantic-core straight from bytes, answers are plain dicts serialized by orjson,
-and streamed chunks are built without per-token models.
+Hot path: the route runs as one lean ASGI callable in front of FastAPI (``Lean``), the body is validated by
+pydantic-core straight from bytes, answers are plain dicts serialized by orjson (routers/generate_wire.py), and streamed
+events are spliced from a byte template and written straight to the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
+from app.core.metrics import count_answer
 from app.core.multimodal import MultimodalPrompt, multimodal_prompt
 from app.core.protocol import (
     ERROR_RESPONSES,
@@ -26,21 +28,32 @@ from app.core.protocol import (
     GenerateRequest,
     GenerateResponse,
     bad_request,
+    content_length_refusal,
     header_value,
     parse_json_body,
+    send_api_error,
+    status_phrase,
 )
 from app.engine.sampling import build_sampling_params, check_prompt
 from app.server.reqlog import set_request_id
-from app.server.state import AppState, get_state
+from app.server.security import Keys, Plane, refusal, send_unauthorized
+from app.server.state import AppState, get_state, not_started_app
+from routers.generate_wire import DONE, choice, plain_event_parts, prompt_logprobs_json, sse, usage
 
 if TYPE_CHECKING:
-    from app.engine.adapter import CompletionOutput, RequestOutput
+    from app.engine.adapter import RequestOutput
+
+# Imported by name elsewhere (tests): the wire pieces as they were called here.
+_choice, _plain_event_parts, _sse = choice, plain_event_parts, sse
 
 log = logging.getLogger("tito.generate")
 router = APIRouter(tags=["generate"])
 
+GENERATE_PATH = "/inference/v1/generate"
 _JSON = "application/json"
-_FLOOR = -9999.0
+_JSON_TYPE = (b"content-type", b"application/json")
+_SSE_HEAD = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 _GENERATE_SCHEMA = {
     "requestBody": {
         "required": True,
@@ -49,76 +62,12 @@ _GENERATE_SCHEMA = {
 }
 
 
-def _clamp(x: float) -> float:
-    # -inf and NaN are not JSON; vLLM sends -9999.0 for both.
-    return _FLOOR if math.isnan(x) or x < _FLOOR else x
-
-
-def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
-    # Both generations of clients: vLLM 0.32 reads token_id; renderers (Prime-RL) and vLLM <= 0.31 read
-    # "token": "token_id:<id>" with bytes null.
-    return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": _clamp(lp.logprob),
-            "rank": lp.rank or None, "bytes": None}
-
-
-def logprobs_content(token_ids: Any, top: Any, num: int) -> dict[str, Any]:
-    content = []
-    for i, tid in enumerate(token_ids):
-        step = top[i] if top is not None and i < len(top) else None
-        lp = step.get(tid) if step is not None else None
-        if step is None or lp is None:
-            content.append({"token_id": tid, "token": f"token_id:{tid}", "logprob": _FLOOR, "rank": None,
-                            "bytes": None, "top_logprobs": []})
-            continue
-        entry = _token_entry(tid, lp)
-        k = len(step) if num == -1 else max(num, 1)
-        entry["top_logprobs"] = [_token_entry(t, v) for j, (t, v) in enumerate(step.items()) if j < k]
-        content.append(entry)
-    return {"content": content}
-
-
-def prompt_logprobs_json(plp: Any) -> list[Any] | None:
-    if plp is None:
-        return None
-    out: list[Any] = []
-    for step in plp:
-        if step is None:
-            out.append(None)
-        else:
-            out.append({str(t): {"logprob": _clamp(v.logprob), "rank": v.rank, "decoded_token": None}
-                        for t, v in step.items()})
-    return out
-
-
-def _spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
-    wv = output.weight_versions
-    if wv is None:
-        return None
-    return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
-
-
-def _choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
-    return {
-        "index": output.index,
-        "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
-        "stop_reason": output.stop_reason,
-        "token_ids": list(output.token_ids),
-        "routed_experts": None,
-        "sampling_mask": None,
-        "weight_versions": _spans(output),
-        "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)
-                     if num_logprobs is not None else None),
-    }
-
-
-def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached} if cached is not None else None,
-            "completion_tokens_details": None}
-
-
 def _dp_rank(request: Request, dp_size: int) -> int | None:
-    raw = request.headers.get("x-data-parallel-rank")
+    return dp_rank_of(request.headers.get("x-data-parallel-rank"), dp_size)
+
+
+def dp_rank_of(raw: str | None, dp_size: int) -> int | None:
+    """The engine core an ``X-data-parallel-rank`` header pins a request to; a bad one is a 400 (vLLM ignores it)."""
     if raw is None:
         return None
     try:
@@ -134,35 +83,93 @@ def _engine_error(state: AppState, e: BaseException) -> ApiError:
     return state.engine_error(e, "generation", param_prefix="sampling_params.")
 
 
-async def _parse(request: Request, state: AppState) -> GenerateRequest:
-    ctype = request.headers.get("content-type", "")
+class _Head:
+    """The request headers the route reads, in one pass over the ASGI list; the first of each, as Starlette's
+    ``Headers.get`` gives it."""
+
+    __slots__ = ("content_type", "request_id", "dp_rank")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.content_type = self.request_id = self.dp_rank = None
+        for k, v in headers:
+            if k == b"content-type":
+                if self.content_type is None:
+                    self.content_type = v.decode("latin-1")
+            elif k == b"x-request-id":
+                if self.request_id is None:
+                    self.request_id = v.decode("latin-1")
+            elif k == b"x-data-parallel-rank" and self.dp_rank is None:
+                self.dp_rank = v.decode("latin-1")
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; over ``limit`` while it arrives (a chunked body: no Content-Length was checked) is a
+    413 as the body limit words it, a disconnect before its end is Starlette's ``ClientDisconnect``."""
+    first = await receive()
+    if first["type"] == "http.request" and not first.get("more_body", False):
+        body: bytes = first.get("body", b"")
+        if len(body) > limit:
+            raise _chunked_too_large(limit)
+        return body
+    chunks: list[bytes] = []
+    seen = 0
+    msg = first
+    while True:
+        if msg["type"] == "http.request":
+            piece = msg.get("body", b"")
+            seen += len(piece)
+            if seen > limit:
+                raise _chunked_too_large(limit)
+            chunks.append(piece)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+        elif msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        msg = await receive()
+
+
+def _chunked_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body exceeds the limit of {limit} bytes.", type=status_phrase(413))
+
+
+class Out:
+    """Where ``serve_generate`` sends its answer: ``send`` for the messages in the middle, ``start`` and ``last`` for
+    the first and the last. Behind the middleware stack all three are its ``send``; the lean path (``Lean``) counts the
+    request in ``last`` rather than wrapping every message (an SSE answer is one message per engine step)."""
+
+    __slots__ = ("send", "start", "last")
+
+    def __init__(self, send: Send) -> None:
+        self.send = self.start = self.last = send
+
+
+async def serve_generate(state: AppState, scope: Scope, receive: Receive, out: Out) -> None:
+    """The route, once the request is past the key check and the Content-Length limit: parse, check, run the engine
+    request, answer. Failures before the answer starts raise (``ApiError``: the caller answers it)."""
+    head = _Head(scope["headers"])
+    ctype = head.content_type or ""
     if not ctype.split(";", 1)[0].strip().lower() == _JSON:
         raise ApiError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}.")
-    body = await request.body()
-    if len(body) > state.settings.max_body_bytes:
-        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of "
-                            f"{state.settings.max_body_bytes} bytes.")
-    return parse_json_body(GenerateRequest, body)
-
-
-@router.post("/inference/v1/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES,
-             openapi_extra=_GENERATE_SCHEMA, summary="Token-in/token-out generation (vLLM 0.32 wire)")
-async def generate(request: Request, state: AppState = Depends(get_state)) -> Response:
-    req = await _parse(request, state)
+    limit = state.settings.max_body_bytes
+    body = await read_body(receive, limit)
+    if len(body) > limit:
+        raise ApiError(413, f"request body of {len(body)} bytes exceeds the limit of {limit} bytes.")
+    req = parse_json_body(GenerateRequest, body)
     state.admit()
     lora = state.resolve_model(req.model)
     check_prompt(req.token_ids, state.limits)
     params = build_sampling_params(req, state.limits)
-    dp_rank = _dp_rank(request, state.facts.data_parallel_size)
-    base_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+    dp_rank = dp_rank_of(head.dp_rank, state.facts.data_parallel_size)
+    base_id = head.request_id or req.request_id or uuid.uuid4().hex
     request_id = f"generate-tokens-{base_id}"
-    set_request_id(request.scope, request_id)  # log lines about this request carry its id
+    set_request_id(scope, request_id)  # log lines about this request carry its id
     salt = req.cache_salt or req.sampling_params.cache_salt
     return_ids = bool(req.return_token_ids or req.sampling_params.return_token_ids)
     model_name = req.model if lora is not None else state.facts.name
     num_lp = params.logprobs
     # None unless content_parts / features (app/core/multimodal.py).
-    mm = await multimodal_prompt(state, req, params, salt)
+    mm = await multimodal_prompt(state, req, params, salt) if req.content_parts or req.features is not None \
+        else None
 
     # The engine sees a unique id (clients may share theirs); the answer carries the client's, as vLLM's does.
     engine_id = state.enter(request_id)
@@ -170,22 +177,24 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
         gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=salt, lora=lora,
                                     priority=req.priority, data_parallel_rank=dp_rank,
                                     prompt=mm.engine_input if mm else None)
+        if req.stream:
+            stream = _Stream(state, gen, request_id, engine_id, req, params.n, num_lp, return_ids, mm)
     except BaseException:
         state.leave(engine_id)
         raise
-
     if req.stream:
-        return _SseResponse(_Stream(state, gen, request_id, engine_id, req, params.n, num_lp, return_ids, mm))
+        await stream.send(receive, out)
+        return
 
     try:
-        final = await _collect_or_disconnect(request, gen, engine_id, state)
+        final = await _collect_or_disconnect(receive, gen, engine_id, state)
     finally:
         state.leave(engine_id)
-    body = {
+    answer = {
         "request_id": request_id,
         "model": model_name,
         "created": int(time.time()),
-        "usage": _usage(len(final.prompt_token_ids or req.token_ids),
+        "usage": usage(len(final.prompt_token_ids or req.token_ids),
                         sum(len(o.token_ids) for o in final.outputs), final.num_cached_tokens),
         "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
         "prompt_token_id_logprobs": None,
@@ -197,12 +206,125 @@ async def generate(request: Request, state: AppState = Depends(get_state)) -> Re
                                else req.kv_transfer_params),
         "ec_transfer_params": None,
         "output_mode": "tokens",
-        "choices": [_choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
+        "choices": [choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
     }
-    return Response(orjson.dumps(body), media_type=_JSON, headers={"X-Engine-Request-Id": header_value(engine_id)})
+    data = orjson.dumps(answer)
+    # Starlette's Response(media_type=JSON, headers={"X-Engine-Request-Id": ...}) headers, in its order.
+    headers = [(b"x-engine-request-id", header_value(engine_id).encode("latin-1")),
+               (b"content-length", b"%d" % len(data)), _JSON_TYPE]
+    await out.start({"type": "http.response.start", "status": 200, "headers": headers})
+    await out.last({"type": "http.response.body", "body": data})
 
 
-async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOutput], request_id: str,
+@router.post(GENERATE_PATH, response_model=GenerateResponse, responses=ERROR_RESPONSES,
+             openapi_extra=_GENERATE_SCHEMA, summary="Token-in/token-out generation (vLLM 0.32 wire)")
+async def generate(request: Request, state: AppState = Depends(get_state)) -> Response:
+    """The route as mounted in FastAPI: the OpenAPI entry, and what serves it when the lean path (``Lean``) is off
+    (a middleware added after ``create_app``). The answer is ``serve_generate`` run as the response."""
+    return _Served(state)
+
+
+class _Served(Response):
+    def __init__(self, state: AppState) -> None:  # noqa: D107 - no body of its own: serve_generate sends it
+        self.state = state
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_generate(self.state, scope, receive, Out(send))
+
+
+class Lean:
+    """``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app (app/main.py ``TitoApp``):
+    what the middleware stack and FastAPI's routing did for this route, in the same order and with the same answers,
+    with none of their per-request layers (request counter, API key, body limit, exception wrappers, routing,
+    dependency injection, ``Request``/``Response`` objects). tests/test_http_bytes.py holds both paths to the same
+    bytes and counters."""
+
+    def __init__(self, app: Any) -> None:
+        settings = app.state.settings
+        self.app = app
+        self.keys = Keys.from_settings(settings)
+        self.limit: int = settings.max_body_bytes
+        self.state: AppState | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answer = _Counted(send)
+        try:
+            if self.keys.any:
+                message = refusal(self.keys, scope, Plane.DATA)
+                if message is not None:
+                    answer.route = "unmatched"
+                    await send_unauthorized(answer.sender(), message)
+                    return
+            for k, v in scope["headers"]:
+                if k == b"content-length":
+                    refused = content_length_refusal(v, self.limit)
+                    if refused is not None:
+                        answer.route = "unmatched"
+                        await send_api_error(answer.sender(), refused)
+                        return
+                    break
+            state = self.state
+            if state is None:
+                state = self.state = getattr(self.app.state, "tito", None)
+                if state is None:
+                    raise not_started_app(self.app)
+            await serve_generate(state, scope, receive, answer)
+        except ApiError as e:
+            if answer.started:
+                raise
+            await send_api_error(answer.sender(), e)
+        except Exception as e:
+            if not answer.started:
+                # What FastAPI's handler of last resort answers (app/main.py): no stack trace reaches the client.
+                logging.getLogger("tito").error("unhandled error", exc_info=e)
+                answer.status = 500
+                await send_api_error(answer.sender(), ApiError(500, f"internal error: {type(e).__name__}"))
+            raise
+        finally:
+            answer.close()
+
+
+class _Counted(Out):
+    """The lean path's request counter (``RequestMetrics`` in the stack): counts the answer just before its last
+    message goes out (a client that has its answer and scrapes /metrics finds it counted), or as the request ends
+    without one, under the route's label, or "unmatched" for what the middleware answered before routing."""
+
+    __slots__ = ("raw", "route", "status", "started", "done")
+
+    def __init__(self, send: Send) -> None:
+        self.raw = self.send = send
+        self.start, self.last = self._start, self._last
+        self.route, self.status, self.started, self.done = GENERATE_PATH, 500, False, False
+
+    async def _start(self, message: Message) -> None:
+        self.status, self.started = int(message["status"]), True
+        await self.raw(message)
+
+    async def _last(self, message: Message) -> None:
+        self.close()
+        await self.raw(message)
+
+    def sender(self) -> Send:
+        """A plain ``send`` for a whole answer of a few messages (errors)."""
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await self._start(message)
+            elif not message.get("more_body", False):
+                await self._last(message)
+            else:
+                await self.raw(message)
+
+        return send
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            count_answer(self.route, self.status)
+
+
+async def _collect_or_disconnect(receive: Receive, gen: AsyncIterator[RequestOutput], request_id: str,
                                  state: AppState) -> RequestOutput:
     """Run the generation in this task while one watcher listens for the client going away; a disconnect cancels
     this task (AsyncLLM aborts the engine request on cancellation) and answers 499.
@@ -215,7 +337,7 @@ async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOut
 
     async def watch() -> None:
         nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         gone = True
         task.cancel()
@@ -243,29 +365,9 @@ async def _collect_or_disconnect(request: Request, gen: AsyncIterator[RequestOut
     return final
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
-_IDS_MARK = b'"token_ids":[]'
-
-
-def _plain_event_parts(request_id: str, index: int) -> tuple[bytes, bytes]:
-    """The bytes of a plain mid-stream event (tokens only: no finish, logprobs or usage; the bulk of a stream) before
-    and after its token ids. Cut out of the general form built by ``_choice``, so the two cannot differ."""
-    blank = SimpleNamespace(index=index, finish_reason=None, stop_reason=None, token_ids=[], weight_versions=None,
-                            logprobs=None)
-    whole = _sse({"request_id": request_id, "usage": None, "output_mode": "tokens",
-                  "choices": [_choice(blank, None, final=False)]})  # type: ignore[arg-type]
-    head, mark, tail = whole.partition(_IDS_MARK)
-    assert mark and _IDS_MARK not in tail
-    return head + b'"token_ids":', tail
-
-
 class _Stream:
-    """One streamed answer: turns the engine's delta outputs into SSE chunks and owns the request's in-flight slot,
-    released exactly once: by the stream when it runs, or by ``_SseResponse`` when the client left before it did."""
+    """One streamed answer: turns the engine's delta outputs into SSE events and sends them, and owns the request's
+    in-flight slot (released exactly once, however the stream ends)."""
 
     __slots__ = ("state", "gen", "request_id", "engine_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
                  "prompt_ids", "mm_placeholders", "started")
@@ -283,17 +385,47 @@ class _Stream:
         prompt_ids = mm.engine_input["prompt_token_ids"] if mm else req.token_ids
         self.prompt_ids: list[int] | None = prompt_ids if return_ids else None
         self.mm_placeholders: dict[str, Any] | None = mm.placeholders if mm else None
-        self.started = False
 
-    def release_unstarted(self) -> None:
-        if not self.started:
-            self.started = True
-            self.state.leave(self.engine_id)
+    async def send(self, receive: Receive, out: Out) -> None:
+        """Send the answer: headers, one event per engine output (as soon as it comes), the error event of a failure,
+        then ``[DONE]`` with the end of the body in one write. One watcher task cancels this one when the client goes
+        away; the engine request is then aborted. If the client is gone before the body starts, the engine request
+        never starts (vLLM's generator is lazy) and the in-flight slot is still released."""
+        task = asyncio.current_task()
+        assert task is not None
+        done = gone = False
 
-    async def events(self) -> AsyncIterator[bytes]:
-        if self.started:  # _SseResponse already gave up on this stream
-            return
-        self.started = True
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not done:  # not the disconnect that the end of the answer itself reports
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        held = True  # the in-flight slot
+        try:
+            # StreamingResponse's headers, in its order; the id is encoded first: a failure there answers 500.
+            headers = [*_SSE_HEAD, (b"x-engine-request-id", header_value(self.engine_id).encode("latin-1")),
+                       _SSE_TYPE]
+            await out.start({"type": "http.response.start", "status": 200, "headers": headers})
+            held = False
+            await self._events(out.send)
+            done = True
+            await out.last({"type": "http.response.body", "body": DONE, "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # the server is shutting down: not ours to swallow
+            task.uncancel()  # the client left: _events has aborted its engine request
+        finally:
+            done = True
+            watcher.cancel()
+            if held:
+                self.state.leave(self.engine_id)
+
+    async def _events(self, send: Send) -> None:
+        """Every event before ``[DONE]``; releases the in-flight slot as the engine request ends (or is abandoned)."""
         state, request_id, prompt_len, num_lp, continuous = (self.state, self.request_id, self.prompt_len,
                                                              self.num_lp, self.continuous)
         prompt_ids, mm_placeholders = self.prompt_ids, self.mm_placeholders
@@ -318,12 +450,13 @@ class _Stream:
                         continue
                     if (plain is not None and out.finish_reason is None and out.weight_versions is None
                             and prompt_ids is None and mm_placeholders is None):
-                        parts = plain[i] or _plain_event_parts(request_id, i)
+                        parts = plain[i] or plain_event_parts(request_id, i)
                         plain[i] = parts
-                        yield parts[0] + orjson.dumps(out.token_ids) + parts[1]
+                        await send({"type": "http.response.body", "body": parts[0] + orjson.dumps(out.token_ids)
+                                    + parts[1], "more_body": True})
                         continue
                     chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
-                                             "choices": [_choice(out, num_lp, final=False)]}
+                                             "choices": [choice(out, num_lp, final=False)]}
                     if prompt_ids is not None:
                         chunk["prompt_token_ids"] = prompt_ids
                         prompt_ids = None
@@ -333,73 +466,29 @@ class _Stream:
                     if continuous:
                         chunk["usage"] = {"prompt_tokens": prompt_len, "completion_tokens": generated[i],
                                           "total_tokens": prompt_len + generated[i]}
-                    yield _sse(chunk)
+                    await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
             if self.include_usage:
                 total = sum(generated)
-                usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + total,
-                                         "completion_tokens": total}
+                totals: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + total,
+                                          "completion_tokens": total}
                 if cached is not None:
-                    usage["prompt_tokens_details"] = {"cached_tokens": cached}
-                yield _sse({"request_id": request_id, "usage": usage, "output_mode": "tokens", "choices": []})
+                    totals["prompt_tokens_details"] = {"cached_tokens": cached}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": sse({"request_id": request_id, "usage": totals, "output_mode": "tokens",
+                                         "choices": []})})
             finished = True
         except Exception as e:  # noqa: BLE001 - any failure becomes an error event; the status is already 200
             finished = True
             err = e if isinstance(e, ApiError) else _engine_error(state, e)
-            yield _sse(err.body())
+            await send({"type": "http.response.body", "body": sse(err.body()), "more_body": True})
         finally:
             state.leave(self.engine_id)
             if not finished:
-                # Client went away mid-stream (we were closed or cancelled at a yield): the engine generator is
-                # suspended and would only abort when garbage-collected, so abort the request now.
+                # Client went away mid-stream (we were cancelled at an await): the engine generator is suspended
+                # and would only abort when garbage-collected, so abort the request now.
                 _background(state.engine.abort(self.engine_id))
-        yield _DONE
 
 
-class _SseResponse(StreamingResponse):
-    """The SSE answer, sent by a lean ASGI loop rather than Starlette's (which runs the body in an anyio task group,
-    with a second task listening for the disconnect): this task sends every event, one watcher task cancels it when
-    the client goes away (the stream's ``finally`` then aborts the engine request), and ``[DONE]`` goes out with the
-    end of the body in one write. If the client is gone before the body starts, the generator never runs (nor its
-    ``finally``): release the in-flight slot here, or a drain would wait for it forever."""
-
-    def __init__(self, stream: _Stream) -> None:
-        super().__init__(stream.events(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                  "X-Engine-Request-Id": header_value(stream.engine_id)})
-        self._stream = stream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        events = self.body_iterator
-        done = gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not done:  # not the disconnect that the end of the answer itself reports
-                gone = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in events:
-                done = chunk is _DONE  # always the stream's last event
-                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
-            if not done:
-                done = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not gone:
-                raise  # the server is shutting down: not ours to swallow
-            task.uncancel()  # the client left: the stream's finally has aborted its engine request
-        finally:
-            done = True
-            watcher.cancel()
-            await events.aclose()  # type: ignore[attr-defined]
-            self._stream.release_unstarted()
 
 
 _tasks: set[asyncio.Task[Any]] = set()

@@ -6,6 +6,7 @@ share the CPU), and driven through the same workloads:
 
     inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
     tito       ``python -m app serve``
+    base       tito from another checkout (``--base DIR``, e.g. main's): a change against its base, in one run
     vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
     matched    inprocess again, beside a CPU burner as large as the CPU tito's HTTP layer and load generator took in
                the same round (per workload): the ceiling for any HTTP server on this machine. On a 2-core machine
@@ -63,7 +64,7 @@ for p in (ROOT, ROOT / "scripts"):  # tito's code, and the load generator and re
 from bench_report import build_summary, print_table, write_chart  # noqa: E402
 from loadgen import CLIENTS, Workload, closed_loop, process_cpu_s, request_spec, sampling, with_cpu  # noqa: E402
 
-SYSTEMS = ("inprocess", "tito", "vllm", "matched")
+SYSTEMS = ("inprocess", "tito", "base", "vllm", "matched")
 MAX_MODEL_LEN = 512
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
@@ -283,7 +284,8 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
 
 
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
-               client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None) -> dict[str, Any]:
+               client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None,
+               base: str | None = None) -> dict[str, Any]:
     """Start ``system``'s server, drive it through the workloads, stop it. With ``running`` (URL, pid): drive that
     server, already up, instead (not started, not stopped; no ``start_s``)."""
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
@@ -292,8 +294,12 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
         url, pid = running
         return _drive(url, pid, workloads, logs, timeout, client, {})
     port = free_port()
-    if system == "tito":
+    if system in ("tito", "base"):
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
+        if system == "base":  # the same command, importing tito from the other checkout
+            assert base is not None
+            cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {base!r}); from app.cli import main; "
+                              "raise SystemExit(main())"]
     else:
         cmd = vllm_cmd(model, port)
     # Server and load generator stay in this session (ServerProcess only makes a new process group): one CFS
@@ -346,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Drive the tito server already running at this URL (started on --model with max_model_len "
                         f"{MAX_MODEL_LEN}) instead of starting one each round; needs --tito-pid. For the smoke test, "
                         "which has one up: not a measurement (the server is not fresh, nor alone on the machine).")
+    p.add_argument("--base", default=None,
+                   help="A checkout of tito (e.g. /work/main) served as the 'base' system, with --tito-args too.")
     p.add_argument("--tito-pid", type=int, default=None,
                    help="The process id of the --tito-url server (its CPU and memory, and its engine's).")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
@@ -378,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:
         p.error(f"unknown system/workload: {', '.join(bad)}")
+    if ("base" in systems) != (ns.base is not None):
+        p.error("the base system and --base DIR go together")
     if (ns.tito_url is None) != (ns.tito_pid is None):
         p.error("--tito-url and --tito-pid go together")
     if ns.tito_url and ns.tito_args:
@@ -412,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 running = (ns.tito_url.rstrip("/"), ns.tito_pid) if s == "tito" and ns.tito_url else None
                 this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
-                                     tuple(shlex.split(ns.tito_args)), running)
+                                     tuple(shlex.split(ns.tito_args)), running, ns.base)
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
             print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
                   file=sys.stderr, flush=True)
@@ -422,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, systems, workloads, ns.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick, "systems": systems,
-            "client": ns.client, "tito_args": ns.tito_args, "tito_url": ns.tito_url,
+            "client": ns.client, "tito_args": ns.tito_args, "tito_url": ns.tito_url, "base": ns.base,
             "workloads": [asdict(w) for w in workloads], "cpus": os.cpu_count(), "python": platform.python_version(),
             "machine": platform.machine(), "max_model_len": MAX_MODEL_LEN}
     doc = {"meta": meta, "summary": summary, "rounds": rounds}

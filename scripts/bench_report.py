@@ -34,6 +34,7 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
                     row[f"tito-{other}_p50_ms"] = row["tito"][key] - row[other][key]
         summary[wl.name] = row
     cold = {s: sum(r[s]["warmup"]["errors"] for r in rounds if s in r) for s in systems}
+    added = added_cpu(summary, rounds, systems, workloads)
     keys = ("server_rss_mb", "server_uss_mb", "engine_rss_mb")
     memory: dict[str, Any] = {s: {k: statistics.median([r[s]["memory"][k] for r in rounds if s in r]) for k in keys}
               for s in systems if any(s in r for r in rounds)}
@@ -41,7 +42,38 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
     # imports torch and vLLM, so their USS difference is tito's own share (FastAPI, uvicorn, its code and buffers).
     if "tito" in memory and "inprocess" in memory:
         memory["tito_own_mb"] = memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
-    return {"workloads": summary, "cold_errors": cold, "memory": memory}
+    return {"workloads": summary, "cold_errors": cold, "memory": memory, "added": added}
+
+
+def added_cpu(summary: dict[str, Any], rounds: list[dict[str, Any]], systems: list[str],
+              workloads: list[Workload]) -> dict[str, Any]:
+    """Per workload: the CPU per request each server's API process spends above the in-process engine client for
+    the same work (issue 29's measure of a server's own cost), and tito's figure (and the base checkout's) over vLLM's
+    server's. Ratios are taken round by round (each round's systems ran back to back) and their median reported, so a
+    slow spell of a shared machine falls on both sides of each ratio."""
+    if "inprocess" not in systems:
+        return {}
+    out: dict[str, Any] = {}
+    for wl in workloads:
+        row: dict[str, Any] = {}
+        floor = summary[wl.name]["inprocess"]["cpu_ms_per_req"]
+        for s in ("tito", "base", "vllm"):
+            cpu = summary[wl.name].get(s, {}).get("cpu_ms_per_req")
+            row[s] = None if cpu is None or floor is None else cpu - floor
+        for s in ("tito", "base"):
+            per_round = []
+            for r in rounds:
+                try:
+                    zero = r["inprocess"][wl.name]["cpu_ms_per_req"]
+                    mine, theirs = r[s][wl.name]["cpu_ms_per_req"] - zero, r["vllm"][wl.name]["cpu_ms_per_req"] - zero
+                except (KeyError, TypeError):
+                    continue
+                if theirs > 0:
+                    per_round.append(mine / theirs)
+            row[f"{s}_ratio"] = statistics.median(per_round) if per_round else None
+            row[f"{s}_ratio_rounds"] = per_round
+        out[wl.name] = row
+    return out
 
 
 def fmt(v: Any, nd: int = 0) -> str:
@@ -74,6 +106,25 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
                 ratios.append(f"tito-{other} p50 {row[f'tito-{other}_p50_ms']:+.2f} ms")
         if ratios:
             print(f"{'':<12} {'':<10} " + "; ".join(ratios))
+    added = summary.get("added") or {}
+    if added:
+        print("\nserving-process CPU ms/req above the in-process engine client (the same work, the output kind a server"
+              "\nasks for); ratio = the server's added / vLLM's server's added (median of per-round ratios; goal"
+              " <= 0.25);\nthroughput: tito over vLLM's server (p50 latency: vLLM's over tito's, so > 1 is tito ahead)")
+        servers = [s for s in ("tito", "base") if s in systems]
+        print(f"{'workload':<12} {'in-process':>10} " + " ".join(f"{s:>8}" for s in [*servers, "vllm"]) + " "
+              + " ".join(f"{s + ' adds':>9}" for s in [*servers, "vllm"]) + " "
+              + " ".join(f"{s + ' ratio':>10}" for s in servers) + f" {'tito/vLLM thr.':>14}")
+        for wl in workloads:
+            a, row = added[wl.name], summary["workloads"][wl.name]
+            key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
+            thr = row.get("tito/vllm")
+            if thr is None and row.get("tito", {}).get(key) and row.get("vllm", {}).get(key):
+                thr = row["vllm"][key] / row["tito"][key]  # latency: lower is better, so vLLM's over tito's
+            print(f"{wl.name:<12} {fmt(row['inprocess']['cpu_ms_per_req'], 2):>10} "
+                  + " ".join(f"{fmt(row.get(s, {}).get('cpu_ms_per_req'), 2):>8}" for s in [*servers, "vllm"]) + " "
+                  + " ".join(f"{fmt(a.get(s), 2):>9}" for s in [*servers, "vllm"]) + " "
+                  + " ".join(f"{fmt(a.get(s + '_ratio'), 2):>10}" for s in servers) + f" {fmt(thr, 2):>14}")
     print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
     print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
     for s, m in summary["memory"].items():

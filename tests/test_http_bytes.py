@@ -290,14 +290,14 @@ async def call(app: Any, req: dict[str, Any]) -> tuple[int, list[list[str]], byt
 
 
 @asynccontextmanager
-async def app_for(variant: str) -> AsyncIterator[tuple[Any, RichEngine]]:
+async def app_for(variant: str, lean: bool = True) -> AsyncIterator[tuple[Any, RichEngine]]:
     eng = RichEngine()
     settings = Settings.build(env={}, model="/models/fake", warmup=False,
                               **VARIANTS.get(variant, {}))  # type: ignore[arg-type]
     if variant == "starting":  # no lifespan: the engine is not up
-        yield create_app(settings, engine=eng), eng  # type: ignore[arg-type]
+        yield create_app(settings, engine=eng, lean=lean), eng  # type: ignore[arg-type]
         return
-    app = create_app(settings, engine=eng)  # type: ignore[arg-type]
+    app = create_app(settings, engine=eng, lean=lean)  # type: ignore[arg-type]
     async with app.router.lifespan_context(app):
         state = app.state.tito
         if variant == "draining":
@@ -313,8 +313,8 @@ async def app_for(variant: str) -> AsyncIterator[tuple[Any, RichEngine]]:
         yield app, eng
 
 
-async def run_case(variant: str, req: dict[str, Any]) -> dict[str, Any]:
-    async with app_for(variant) as (app, eng):
+async def run_case(variant: str, req: dict[str, Any], lean: bool = True) -> dict[str, Any]:
+    async with app_for(variant, lean) as (app, eng):
         before = _metrics()
         status, headers, body, raised = await call(app, req)
         after = _metrics()
@@ -341,13 +341,15 @@ async def test_write_golden_when_asked() -> None:
     GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "stack"])
 @pytest.mark.parametrize("name,variant,req", CASES, ids=[c[0] for c in CASES])
-async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, Any]) -> None:
+async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, Any], lean: bool) -> None:
+    """Both ways the route is served (the lean path, and through the middleware stack) give the pinned answer."""
     golden = _load()
     if os.environ.get("TITO_WRITE_GOLDEN"):
         pytest.skip("writing the golden file")
     assert name in golden, f"no golden answer for {name!r}: regenerate with TITO_WRITE_GOLDEN=1"
-    got = await run_case(variant, req)
+    got = await run_case(variant, req, lean)
     want = golden[name]
     assert got["status"] == want["status"], (got["status"], got["body"][:300])
     assert got["headers"] == want["headers"]

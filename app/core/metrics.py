@@ -6,6 +6,7 @@ Defined once here so every router records into the same objects.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, Info
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,6 +47,23 @@ _REJECT_REASONS = {
 def reject_reason(status: int) -> str:
     """A bounded label for a 4xx answer."""
     return _REJECT_REASONS.get(status, "other_4xx")
+
+
+# (route, status) -> the counters one answer moves, resolved once: ``labels()`` takes a lock and builds a key per call.
+# Bounded as the labels are: route templates and "unmatched", HTTP statuses.
+_COUNTERS: dict[tuple[str, int], tuple[Any, ...]] = {}
+
+
+def count_answer(route: str, status: int) -> None:
+    """One answer: ``tito_requests_total{route,status}``, and ``tito_rejected_requests_total{reason}`` for a 4xx."""
+    counters = _COUNTERS.get((route, status))
+    if counters is None:
+        counters = (REQUESTS.labels(route=route, status=str(status)),)
+        if 400 <= status < 500:
+            counters += (REJECTED.labels(reason=reject_reason(status)),)
+        _COUNTERS[(route, status)] = counters
+    for c in counters:
+        c.inc()
 
 
 def _route_label(scope: Scope) -> str:
@@ -105,9 +123,7 @@ class RequestMetrics(HttpMiddleware):
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         def count(status: int) -> None:
-            REQUESTS.labels(route=_route_label(scope), status=str(status)).inc()
-            if 400 <= status < 500:
-                REJECTED.labels(reason=reject_reason(status)).inc()
+            count_answer(_route_label(scope), status)
 
         watched = StatusSend(send, 500, count)
         try:

@@ -66,6 +66,28 @@ def header_value(text: str) -> str:
     return text if text.isascii() and text.isprintable() else quote(text, safe="")
 
 
+async def send_api_error(send: Any, err: ApiError) -> None:
+    """Send ``err``'s answer straight to an ASGI ``send`` (pure-ASGI code: middleware, the generate route's lean
+    path), the same bytes as its ``response()``."""
+    resp = err.response()
+    await send({"type": "http.response.start", "status": err.status, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def content_length_refusal(value: bytes, limit: int) -> ApiError | None:
+    """The answer to a ``Content-Length`` header over the body limit (413) or not a size (400), before any byte of
+    the body is read; None when the body may come."""
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if 0 <= size <= limit:
+        return None
+    if size > 0:
+        return ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes.")
+    return ApiError(400, "invalid Content-Length header.")
+
+
 def status_phrase(status: int) -> str:
     try:
         return HTTPStatus(status).phrase

@@ -137,32 +137,43 @@ class ApiKeyAuth:
         if scope["type"] not in ("http", "websocket") or not self.keys.any:
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        plane = classify(path, self.protect_metrics)
-        accepted = self.keys.required(plane)
-        if accepted is None:
+        message = refusal(self.keys, scope, classify(scope.get("path", ""), self.protect_metrics))
+        if message is None:
             await self.app(scope, receive, send)
-            return
-        token = bearer_token(scope.get("headers", []))
-        if token is not None and matches(token, accepted):
-            await self.app(scope, receive, send)
-            return
-        message = self._why(plane, token)
-        client = scope.get("client")
-        log.info("401 %s %s from %s: %s", scope.get("method", "WS"), path, client[0] if client else "?", message)
-        if scope["type"] == "websocket":
+        elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
-            return
-        resp = json_response(error_body(401, message), 401, {"WWW-Authenticate": "Bearer"})
-        await send({"type": "http.response.start", "status": 401, "headers": resp.raw_headers})
-        await send({"type": "http.response.body", "body": resp.body})
+        else:
+            await send_unauthorized(send, message)
 
-    def _why(self, plane: Plane, token: str | None) -> str:
-        if token is None:
-            return f"this {plane.value} route needs an API key: send 'Authorization: Bearer <key>'."
-        if plane is Plane.ADMIN and self.keys.admin_is_separate and self.keys.data and matches(token, self.keys.data):
-            return "this is an admin route: the data-plane API key does not open it; use the admin API key."
-        return "invalid API key."
+
+def refusal(keys: Keys, scope: Scope, plane: Plane) -> str | None:
+    """Why a request to ``plane`` is refused (logged), or None when its key opens it. Shared by the middleware and
+    the generate route's lean path (routers/generate.py), which checks the data plane itself."""
+    accepted = keys.required(plane)
+    if accepted is None:
+        return None
+    token = bearer_token(scope.get("headers", []))
+    if token is not None and matches(token, accepted):
+        return None
+    message = _why(keys, plane, token)
+    client = scope.get("client")
+    log.info("401 %s %s from %s: %s", scope.get("method", "WS"), scope.get("path", ""),
+             client[0] if client else "?", message)
+    return message
+
+
+async def send_unauthorized(send: Send, message: str) -> None:
+    resp = json_response(error_body(401, message), 401, {"WWW-Authenticate": "Bearer"})
+    await send({"type": "http.response.start", "status": 401, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def _why(keys: Keys, plane: Plane, token: str | None) -> str:
+    if token is None:
+        return f"this {plane.value} route needs an API key: send 'Authorization: Bearer <key>'."
+    if plane is Plane.ADMIN and keys.admin_is_separate and keys.data and matches(token, keys.data):
+        return "this is an admin route: the data-plane API key does not open it; use the admin API key."
+    return "invalid API key."
 
 
 def _is_loopback(host: str) -> bool:

@@ -274,7 +274,11 @@ async def get_state(request: Request) -> AppState:
 
 def not_started(request: Request) -> ApiError:
     """The answer of every route that needs the engine before it is up (app/server/startup.py)."""
-    failed = getattr(request.app.state, "start_error", None)
+    return not_started_app(request.app)
+
+
+def not_started_app(app: Any) -> ApiError:
+    failed = getattr(app.state, "start_error", None)
     if failed:
         return ApiError(503, f"server failed to start: {failed}")
     return ApiError(503, "server is starting", headers={"Retry-After": "5"})

@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""tito's HTTP layer alone: the serving process's CPU per request on the fake engine (tests/fake_engine.py), beside a
+bare ASGI app that does the same fake work on the same server (uvicorn, uvloop, httptools, as ``tito serve``).
+
+No vLLM engine runs, so this is where a change to the HTTP hot path shows its effect in seconds, and where the engine
+is not the limit (issue 29). The systems, each started fresh every round, rounds interleaved:
+
+    tito   ``create_app(settings, engine=FakeEngine())`` served as ``tito serve`` serves it
+    bare   a bare ASGI app: read the body, orjson, the same fake engine, write the answer (the floor of any server
+           on this stack: what tito adds is tito minus bare)
+
+Workloads are scripts/bench.py's (same requests, same load generator in its own process). Per workload: req/s and
+the server's CPU ms per request (all its processes), medians over rounds.
+
+    python scripts/bench_http.py                       # 3 rounds, tito and bare, all workloads
+    python scripts/bench_http.py --systems tito --workloads 64x1 --rounds 5
+    python scripts/bench_http.py --profile tito --workloads 64x1   # py-spy of the server under that workload
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from loadgen import Workload, process_cpu_s  # noqa: E402
+
+SYSTEMS = ("tito", "bare")
+
+
+def _workloads() -> dict[str, Workload]:
+    from bench import WORKLOADS
+
+    return {k: v for k, v in WORKLOADS.items() if k != "mixed"}
+
+
+# --------------------------------------------------------------------------------------------------- servers
+
+
+def _bench_engine() -> Any:
+    """The fake engine, minus its call log (it would grow for the whole run)."""
+    from tests.fake_engine import FakeEngine
+
+    class BenchEngine(FakeEngine):
+        def generate(self, token_ids: list[int], params: Any, request_id: str, *, cache_salt: str | None = None,
+                     lora: Any = None, priority: int = 0, data_parallel_rank: int | None = None,
+                     prompt: Any = None) -> Any:
+            return self._run(token_ids, params, request_id)
+
+    return BenchEngine()
+
+
+def bare_app(engine: Any) -> Any:
+    """The least a server can do for the same request: no checks, no metrics, the answer's tokens only."""
+    from types import SimpleNamespace
+
+    import orjson
+
+    delta = SimpleNamespace(output_kind=SimpleNamespace(name="DELTA"))
+    final = SimpleNamespace(output_kind=SimpleNamespace(name="FINAL_ONLY"))
+    json_head = [(b"content-type", b"application/json")]
+    sse_head = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": json_head})
+            await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        req = orjson.loads(body)
+        sp = req["sampling_params"]
+        stream = bool(req.get("stream"))
+        params = delta if stream else final
+        params = SimpleNamespace(output_kind=params.output_kind, n=1, max_tokens=sp["max_tokens"])
+        gen = engine.generate(req["token_ids"], params, "bare")
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": sse_head})
+            async for out in gen:
+                ev = b"data: " + orjson.dumps({"choices": [{"token_ids": out.outputs[0].token_ids}]}) + b"\n\n"
+                await send({"type": "http.response.body", "body": ev, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
+        last = None
+        async for out in gen:
+            last = out
+        assert last is not None
+        data = orjson.dumps({"choices": [{"token_ids": last.outputs[0].token_ids}]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*json_head, (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+def serve_main(system: str, port: int, extra: list[str]) -> int:
+    """Run in the server process: build the app on the fake engine and serve it like ``tito serve`` does."""
+    import uvicorn
+    import vllm.sampling_params  # noqa: F401 - imported once the real engine is up; never inside a measured request
+
+    from app.core.settings import Settings
+    from app.main import create_app
+
+    engine = _bench_engine()
+    if system == "bare":
+        app = bare_app(engine)
+    else:
+        argv = ["--model", "/models/fake", "--port", str(port), "--warmup", "false", *extra]
+        from app.cli import build_parser
+
+        ns = build_parser().parse_args(["serve", *argv])
+        app = create_app(Settings.from_args(ns), engine=engine)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
+                            access_log=False, timeout_keep_alive=120)
+    uvicorn.Server(config).run()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a server process and of its children (the API processes it started, if any)."""
+    import psutil
+
+    total = process_cpu_s(pid)
+    try:
+        for c in psutil.Process(pid).children(recursive=True):
+            try:
+                total += process_cpu_s(c.pid)
+            except OSError:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+def run_system(system: str, workloads: list[Workload], logs: Path, extra: list[str],
+               profile: str | None = None) -> dict[str, Any]:
+    from tests.helpers import ServerProcess, engine_env, free_port
+
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", system, str(port), "--extra", json.dumps(extra)]
+    server = ServerProcess(cmd, port, logs / f"http-{system}-{port}.log", env=engine_env())
+    server.start(timeout=120)
+    assert server.proc is not None
+    results: dict[str, Any] = {}
+    try:
+        from bench import WARMUP
+
+        _load(server.url, WARMUP, logs)
+        for wl in workloads:
+            c0 = _tree_cpu_s(server.proc.pid)
+            spy = None
+            if profile:
+                out = logs / f"profile-{system}-{wl.name}-{time.strftime('%H%M%S')}.txt"
+                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p",
+                                        str(server.proc.pid), "-f", "raw", "-o", str(out), "-r", "200",
+                                        "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+                c0 = _tree_cpu_s(server.proc.pid)
+            res = _load(server.url, wl, logs)
+            cpu = _tree_cpu_s(server.proc.pid) - c0
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+                res["profile"] = str(out)
+            res["cpu_ms_per_req"] = cpu * 1000.0 / max(res["ok"], 1)
+            results[wl.name] = res
+    finally:
+        server.stop()
+    return results
+
+
+def _load(url: str, wl: Workload, logs: Path) -> dict[str, Any]:
+    from tests.helpers import engine_env
+
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url, json.dumps(asdict(wl))]
+    with open(logs / "http-load.log", "ab") as log:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=engine_env(), cwd=str(ROOT), timeout=900,
+                             check=True).stdout
+    res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--workloads", default="64x64,stream64x64,64x1,1x1")
+    p.add_argument("--tito-args", default="", help="Extra `tito serve` flags for the tito system.")
+    p.add_argument("--profile", default=None, help="py-spy the server of this system during each workload.")
+    p.add_argument("--out", default="results")
+    p.add_argument("--_serve", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--extra", default="[]", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns._serve:
+        return serve_main(ns._serve[0], int(ns._serve[1]), json.loads(ns.extra))
+
+    import shlex
+
+    all_wl = _workloads()
+    workloads = [all_wl[w] for w in ns.workloads.split(",") if w]
+    systems = [s for s in ns.systems.split(",") if s]
+    logs = Path(ns.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rounds: list[dict[str, Any]] = []
+    for r in range(ns.rounds):
+        this = {}
+        for s in systems:
+            this[s] = run_system(s, workloads, logs, shlex.split(ns.tito_args) if s == "tito" else [],
+                                 ns.profile if ns.profile == s else None)
+            print(f"round {r + 1}/{ns.rounds} {s}: " + ", ".join(
+                f"{w.name} {this[s][w.name]['cpu_ms_per_req']:.3f} ms/req {this[s][w.name]['req_s']:.0f} req/s"
+                + (f" ({this[s][w.name]['errors']} errors)" if this[s][w.name]["errors"] else "")
+                for w in workloads), file=sys.stderr, flush=True)
+        rounds.append(this)
+    print(f"\nserver CPU ms/request on the fake engine (median of {ns.rounds}; load average "
+          f"{os.getloadavg()[0]:.1f}):")
+    print(f"{'workload':<12} " + " ".join(f"{s + ' ms':>10} {s + ' req/s':>11}" for s in systems)
+          + ("   tito - bare" if {"tito", "bare"} <= set(systems) else ""))
+    summary: dict[str, Any] = {}
+    for wl in workloads:
+        row = {s: {k: statistics.median(rr[s][wl.name][k] for rr in rounds) for k in ("cpu_ms_per_req", "req_s")}
+               for s in systems}
+        summary[wl.name] = row
+        line = f"{wl.name:<12} " + " ".join(f"{row[s]['cpu_ms_per_req']:>10.3f} {row[s]['req_s']:>11.0f}"
+                                            for s in systems)
+        if "tito" in row and "bare" in row:
+            line += f"   {row['tito']['cpu_ms_per_req'] - row['bare']['cpu_ms_per_req']:+.3f}"
+        print(line)
+    (Path(ns.out) / "bench_http.json").write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
