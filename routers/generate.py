@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,14 @@ def dp_rank_of(raw: str | None, dp_size: int) -> int | None:
     if not 0 <= rank < dp_size:
         raise bad_request(f"X-data-parallel-rank {rank} is out of range [0, {dp_size}).", "X-data-parallel-rank")
     return rank
+
+
+def _uuid4_hex() -> str:
+    """``uuid.uuid4().hex``, the same random version-4 form, without building a ``UUID`` (a fifth of the cost)."""
+    b = bytearray(os.urandom(16))
+    b[6] = b[6] & 0x0F | 0x40  # version 4
+    b[8] = b[8] & 0x3F | 0x80  # RFC 4122 variant
+    return b.hex()
 
 
 def _engine_error(state: AppState, e: BaseException) -> ApiError:
@@ -160,7 +168,7 @@ async def serve_generate(state: AppState, scope: Scope, receive: Receive, out: O
     check_prompt(req.token_ids, state.limits)
     params = build_sampling_params(req, state.limits)
     dp_rank = dp_rank_of(head.dp_rank, state.facts.data_parallel_size)
-    base_id = head.request_id or req.request_id or uuid.uuid4().hex
+    base_id = head.request_id or req.request_id or _uuid4_hex()
     request_id = f"generate-tokens-{base_id}"
     set_request_id(scope, request_id)  # log lines about this request carry its id
     salt = req.cache_salt or req.sampling_params.cache_salt

@@ -423,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                 running = (ns.tito_url.rstrip("/"), ns.tito_pid) if s == "tito" and ns.tito_url else None
                 this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
                                      tuple(shlex.split(ns.tito_args)), running, ns.base)
+            # Every system's figures as soon as it is done: a later failure (a server that never starts) loses none.
+            (out / "bench-partial.json").write_text(json.dumps({"rounds": [*rounds, this]}, indent=1))
             errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
             print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
                   file=sys.stderr, flush=True)

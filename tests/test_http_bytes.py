@@ -364,3 +364,79 @@ def test_every_case_has_a_golden_answer() -> None:
     if os.environ.get("TITO_WRITE_GOLDEN"):
         pytest.skip("writing the golden file")
     assert sorted(_load()) == sorted(name for name, _, _ in CASES)
+
+
+# --------------------------------------------------------------------------------------------------- disconnects
+# Not answers (nobody reads them) but what a client leaving does: the same on both paths.
+
+
+async def _leave(app: Any, eng: RichEngine, body: dict[str, Any] | None, *, mid_body: bool = False
+                 ) -> tuple[int, str | None, dict[str, float]]:
+    """Send a request and go away: before the body ends (``mid_body``), or once the engine has started and is held
+    at its gate. Returns the status sent (0: none), what the app raised, and the counters moved."""
+    raw = json.dumps(body).encode() if body is not None else b'{"token_ids":'
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": GEN, "raw_path": GEN.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"gone")]}
+    gone = asyncio.Event()
+    sent: list[bytes] = []
+    step = 0
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal step
+        step += 1
+        if step == 1:
+            return {"type": "http.request", "body": raw, "more_body": mid_body}
+        if not mid_body:
+            await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        nonlocal status
+        if msg["type"] == "http.response.start":
+            status = msg["status"]
+        else:
+            sent.append(msg.get("body", b""))
+
+    eng.gate.clear()  # generation holds after its first token
+    before = _metrics()
+    task = asyncio.ensure_future(app(scope, receive, send))
+    if not mid_body:
+        while eng.started == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        gone.set()
+    raised = None
+    try:
+        await asyncio.wait_for(task, 10)
+    except Exception as e:  # noqa: BLE001
+        raised = type(e).__name__
+    after = _metrics()
+    return status, raised, {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "stack"])
+@pytest.mark.parametrize("kind", ["mid-body", "json", "stream"])
+async def test_a_client_leaving_is_handled_alike(kind: str, lean: bool) -> None:
+    route = '{"route": "/inference/v1/generate", "status": "%s"}'
+    async with app_for("default", lean) as (app, eng):
+        body = None if kind == "mid-body" else {**OK, "stream": kind == "stream",
+                                                 "sampling_params": {"max_tokens": 10}}
+        status, raised, moved = await _leave(app, eng, body, mid_body=kind == "mid-body")
+        state = app.state.tito
+        await asyncio.sleep(0.05)  # the stream's abort runs in the background
+        assert state.inflight == 0 and not state.live
+        if kind == "mid-body":  # Starlette's ClientDisconnect, answered as an unexpected error
+            assert (status, raised) == (500, "ClientDisconnect") and eng.started == 0
+            assert moved == {"tito_requests_total" + route % 500: 1.0}
+        elif kind == "json":  # the engine request is aborted; the answer nobody reads is a 499
+            assert (status, raised) == (499, None)
+            assert eng.aborted and eng.aborted[0].startswith("generate-tokens-gone-")
+            assert moved == {"tito_requests_total" + route % 499: 1.0,
+                             'tito_rejected_requests_total{"reason": "other_4xx"}': 1.0}
+        else:  # mid-stream: the engine request is aborted, the request counted with its 200
+            assert (status, raised) == (200, None)
+            assert eng.aborted and eng.aborted[0].startswith("generate-tokens-gone-")
+            assert moved == {"tito_requests_total" + route % 200: 1.0}

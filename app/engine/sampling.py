@@ -190,6 +190,9 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
             raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", sp + k)
     kwargs["max_tokens"] = max_tokens
     kwargs["detokenize"] = False
+    # Built for this one request and never reused: vLLM may take it as it is (a shallow copy) instead of deep-copying
+    # it in add_request, ~60-180 us of the API process per request (vLLM's own OpenAI protocols do the same).
+    kwargs["skip_clone"] = True
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 

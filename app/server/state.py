@@ -64,6 +64,8 @@ class AppState:
         if self.limits.min_tokens_refusal:
             log.warning("%s", self.limits.min_tokens_refusal)
         self._idle.set()
+        # The gauge reads the count when scraped: no lock taken twice on every request.
+        INFLIGHT.set_function(lambda: self.inflight)
         # Each manager gets what it uses (the engine, its settings, narrow callbacks), never this object: the
         # arrows point one way, server -> weights -> engine.
         # Weight updates: one at a time, idempotent, cancellation-safe (app/weights/updates.py).
@@ -166,7 +168,6 @@ class AppState:
         self.live[engine_id] = request_id
         self.by_client.setdefault(request_id, set()).add(engine_id)
         self.inflight += 1
-        INFLIGHT.inc()
         self._idle.clear()
         return engine_id
 
@@ -179,7 +180,6 @@ class AppState:
                 ids.discard(engine_id)
                 if not ids:
                     del self.by_client[client_id]
-        INFLIGHT.dec()
         if self.draining or self.shutting_down:
             self.finished_since_drain += 1
         if self.inflight == 0:
