@@ -163,7 +163,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 class TitoApp(FastAPI):
     """The FastAPI app, with the generate route's lean path in front of it (issue 29): ``POST
-    /inference/v1/generate`` goes straight to ``routers.generate.Lean``, which does what the middleware below and
+    /inference/v1/generate`` goes straight to ``routers.generate_lean.Lean``, which does what the middleware below and
     FastAPI's routing do for that route, in one layer; every other request takes the stack. A middleware added after
     ``create_app`` (``--log-requests`` mounts the request log so) turns the lean path off, so that it sees every
     request: the route is then served through the stack, by the same code (``routers.generate.serve_generate``)."""
@@ -190,7 +190,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     """Build the app. ``engine`` injects an already-built engine (tests); otherwise the lifespan starts one.
     ``lean=False`` serves the generate route through the middleware stack too (tests hold both to the same bytes)."""
     from routers import ALL
-    from routers.generate import Lean
+    from routers.generate_lean import Lean
 
     settings = settings or Settings.build()
     app = TitoApp(title="tito", version=__version__, lifespan=lifespan,

@@ -1,8 +1,8 @@
 """``POST /inference/v1/generate``: vLLM 0.32's token-in/token-out API, JSON and SSE.
 
-Hot path: the route runs as one lean ASGI callable in front of FastAPI (``Lean``), the body is validated by
-pydantic-core straight from bytes, answers are plain dicts serialized by orjson (routers/generate_wire.py), and streamed
-events are spliced from a byte template and written straight to the server.
+Hot path: the route runs as one lean ASGI callable in front of FastAPI (routers/generate_lean.py), the body is
+validated by pydantic-core straight from bytes, answers are plain dicts serialized by orjson
+(routers/generate_wire.py), and streamed events are spliced from a byte template and written straight to the server.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from app.core.metrics import count_answer
 from app.core.multimodal import MultimodalPrompt, multimodal_prompt
 from app.core.protocol import (
     ERROR_RESPONSES,
@@ -28,16 +27,13 @@ from app.core.protocol import (
     GenerateRequest,
     GenerateResponse,
     bad_request,
-    content_length_refusal,
     header_value,
     parse_json_body,
-    send_api_error,
     status_phrase,
 )
 from app.engine.sampling import build_sampling_params, check_prompt
 from app.server.reqlog import set_request_id
-from app.server.security import Keys, Plane, refusal, send_unauthorized
-from app.server.state import AppState, get_state, not_started_app
+from app.server.state import AppState, get_state
 from routers.generate_wire import DONE, choice, plain_event_parts, prompt_logprobs_json, sse, usage
 
 if TYPE_CHECKING:
@@ -142,8 +138,9 @@ def _chunked_too_large(limit: int) -> ApiError:
 
 class Out:
     """Where ``serve_generate`` sends its answer: ``send`` for the messages in the middle, ``start`` and ``last`` for
-    the first and the last. Behind the middleware stack all three are its ``send``; the lean path (``Lean``) counts the
-    request in ``last`` rather than wrapping every message (an SSE answer is one message per engine step)."""
+    the first and the last. Behind the middleware stack all three are its ``send``; the lean path (generate_lean)
+    counts the request in ``last`` rather than wrapping every message (an SSE answer is one message per engine
+    step)."""
 
     __slots__ = ("send", "start", "last")
 
@@ -227,7 +224,7 @@ async def serve_generate(state: AppState, scope: Scope, receive: Receive, out: O
 @router.post(GENERATE_PATH, response_model=GenerateResponse, responses=ERROR_RESPONSES,
              openapi_extra=_GENERATE_SCHEMA, summary="Token-in/token-out generation (vLLM 0.32 wire)")
 async def generate(request: Request, state: AppState = Depends(get_state)) -> Response:
-    """The route as mounted in FastAPI: the OpenAPI entry, and what serves it when the lean path (``Lean``) is off
+    """The route as mounted in FastAPI: the OpenAPI entry, and what serves it when the lean path (generate_lean) is off
     (a middleware added after ``create_app``). The answer is ``serve_generate`` run as the response."""
     return _Served(state)
 
@@ -239,97 +236,6 @@ class _Served(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await serve_generate(self.state, scope, receive, Out(send))
-
-
-class Lean:
-    """``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app (app/main.py ``TitoApp``):
-    what the middleware stack and FastAPI's routing did for this route, in the same order and with the same answers,
-    with none of their per-request layers (request counter, API key, body limit, exception wrappers, routing,
-    dependency injection, ``Request``/``Response`` objects). tests/test_http_bytes.py holds both paths to the same
-    bytes and counters."""
-
-    def __init__(self, app: Any) -> None:
-        settings = app.state.settings
-        self.app = app
-        self.keys = Keys.from_settings(settings)
-        self.limit: int = settings.max_body_bytes
-        self.state: AppState | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answer = _Counted(send)
-        try:
-            if self.keys.any:
-                message = refusal(self.keys, scope, Plane.DATA)
-                if message is not None:
-                    answer.route = "unmatched"
-                    await send_unauthorized(answer.sender(), message)
-                    return
-            for k, v in scope["headers"]:
-                if k == b"content-length":
-                    refused = content_length_refusal(v, self.limit)
-                    if refused is not None:
-                        answer.route = "unmatched"
-                        await send_api_error(answer.sender(), refused)
-                        return
-                    break
-            state = self.state
-            if state is None:
-                state = self.state = getattr(self.app.state, "tito", None)
-                if state is None:
-                    raise not_started_app(self.app)
-            await serve_generate(state, scope, receive, answer)
-        except ApiError as e:
-            if answer.started:
-                raise
-            await send_api_error(answer.sender(), e)
-        except Exception as e:
-            if not answer.started:
-                # What FastAPI's handler of last resort answers (app/main.py): no stack trace reaches the client.
-                logging.getLogger("tito").error("unhandled error", exc_info=e)
-                answer.status = 500
-                await send_api_error(answer.sender(), ApiError(500, f"internal error: {type(e).__name__}"))
-            raise
-        finally:
-            answer.close()
-
-
-class _Counted(Out):
-    """The lean path's request counter (``RequestMetrics`` in the stack): counts the answer just before its last
-    message goes out (a client that has its answer and scrapes /metrics finds it counted), or as the request ends
-    without one, under the route's label, or "unmatched" for what the middleware answered before routing."""
-
-    __slots__ = ("raw", "route", "status", "started", "done")
-
-    def __init__(self, send: Send) -> None:
-        self.raw = self.send = send
-        self.start, self.last = self._start, self._last
-        self.route, self.status, self.started, self.done = GENERATE_PATH, 500, False, False
-
-    async def _start(self, message: Message) -> None:
-        self.status, self.started = int(message["status"]), True
-        await self.raw(message)
-
-    async def _last(self, message: Message) -> None:
-        self.close()
-        await self.raw(message)
-
-    def sender(self) -> Send:
-        """A plain ``send`` for a whole answer of a few messages (errors)."""
-
-        async def send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                await self._start(message)
-            elif not message.get("more_body", False):
-                await self._last(message)
-            else:
-                await self.raw(message)
-
-        return send
-
-    def close(self) -> None:
-        if not self.done:
-            self.done = True
-            count_answer(self.route, self.status)
 
 
 async def _collect_or_disconnect(receive: Receive, gen: AsyncIterator[RequestOutput], request_id: str,
@@ -396,7 +302,8 @@ class _Stream:
 
     async def send(self, receive: Receive, out: Out) -> None:
         """Send the answer: headers, one event per engine output (as soon as it comes), the error event of a failure,
-        then ``[DONE]`` with the end of the body in one write. One watcher task cancels this one when the client goes
+        then ``[DONE]``; the last output's events and the usage event go out with ``[DONE]`` and the end of the body,
+        in one write. One watcher task cancels this one when the client goes
         away; the engine request is then aborted. If the client is gone before the body starts, the engine request
         never starts (vLLM's generator is lazy) and the in-flight slot is still released."""
         task = asyncio.current_task()
@@ -419,9 +326,9 @@ class _Stream:
                        _SSE_TYPE]
             await out.start({"type": "http.response.start", "status": 200, "headers": headers})
             held = False
-            await self._events(out.send)
+            tail = await self._events(out.send)
             done = True
-            await out.last({"type": "http.response.body", "body": DONE, "more_body": False})
+            await out.last({"type": "http.response.body", "body": tail + DONE, "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise  # the server is shutting down: not ours to swallow
@@ -432,8 +339,10 @@ class _Stream:
             if held:
                 self.state.leave(self.engine_id)
 
-    async def _events(self, send: Send) -> None:
-        """Every event before ``[DONE]``; releases the in-flight slot as the engine request ends (or is abandoned)."""
+    async def _events(self, send: Send) -> bytes:
+        """Every event before ``[DONE]``: sends them, except those of the engine's last output and the usage event,
+        which it returns (they go out with ``[DONE]``). Releases the in-flight slot as the engine request ends (or is
+        abandoned)."""
         state, request_id, prompt_len, num_lp, continuous = (self.state, self.request_id, self.prompt_len,
                                                              self.num_lp, self.continuous)
         prompt_ids, mm_placeholders = self.prompt_ids, self.mm_placeholders
@@ -442,9 +351,12 @@ class _Stream:
         plain: list[tuple[bytes, bytes] | None] | None = None if num_lp is not None or continuous else [None] * self.n
         cached: int | None = None
         finished = False
+        tail: list[bytes] = []
         try:
             first = True
             async for res in self.gen:
+                if res.finished:
+                    send = _keep(tail)
                 if first:
                     cached = res.num_cached_tokens
                     if res.prompt_token_ids is not None:
@@ -481,22 +393,28 @@ class _Stream:
                                           "completion_tokens": total}
                 if cached is not None:
                     totals["prompt_tokens_details"] = {"cached_tokens": cached}
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": sse({"request_id": request_id, "usage": totals, "output_mode": "tokens",
-                                         "choices": []})})
+                tail.append(sse({"request_id": request_id, "usage": totals, "output_mode": "tokens", "choices": []}))
             finished = True
         except Exception as e:  # noqa: BLE001 - any failure becomes an error event; the status is already 200
             finished = True
             err = e if isinstance(e, ApiError) else _engine_error(state, e)
-            await send({"type": "http.response.body", "body": sse(err.body()), "more_body": True})
+            tail.append(sse(err.body()))
         finally:
             state.leave(self.engine_id)
             if not finished:
                 # Client went away mid-stream (we were cancelled at an await): the engine generator is suspended
                 # and would only abort when garbage-collected, so abort the request now.
                 _background(state.engine.abort(self.engine_id))
+        return b"".join(tail)
 
 
+def _keep(tail: list[bytes]) -> Send:
+    """A ``send`` that keeps the events' bytes for the answer's last write instead of sending them."""
+
+    async def keep(message: Message) -> None:
+        tail.append(message["body"])
+
+    return keep
 
 
 _tasks: set[asyncio.Task[Any]] = set()

@@ -8,6 +8,7 @@ is not the limit (issue 29). The systems, each started fresh every round, rounds
     tito   ``create_app(settings, engine=FakeEngine())`` served as ``tito serve`` serves it
     bare   a bare ASGI app: read the body, orjson, the same fake engine, write the answer (the floor of any server
            on this stack: what tito adds is tito minus bare)
+    titoxN, barexN   the same on N API processes sharing the port (``--api-server-count``'s layout)
 
 Workloads are scripts/bench.py's (same requests, same load generator in its own process). Per workload: req/s and
 the server's CPU ms per request (all its processes), medians over rounds.
@@ -118,8 +119,31 @@ def bare_app(engine: Any) -> Any:
     return app
 
 
-def serve_main(system: str, port: int, extra: list[str]) -> int:
-    """Run in the server process: build the app on the fake engine and serve it like ``tito serve`` does."""
+def serve_main(system: str, port: int, extra: list[str], api_servers: int = 1) -> int:
+    """Run in the server process: build the app on the fake engine and serve it like ``tito serve`` does. With
+    ``api_servers`` > 1 this process binds the port and that many API processes serve it (each with its own fake
+    engine: the engine is not what is measured), as ``vllm serve --api-server-count`` shares its socket."""
+    import socket
+
+    if api_servers <= 1:
+        _serve(system, port, extra, None)
+        return 0
+    import multiprocessing
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(2048)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_serve, args=(system, port, extra, sock), name=f"api-{i}") for i in range(api_servers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    return 0
+
+
+def _serve(system: str, port: int, extra: list[str], sock: Any) -> None:
     import uvicorn
     import vllm.sampling_params  # noqa: F401 - imported once the real engine is up; never inside a measured request
 
@@ -137,8 +161,7 @@ def serve_main(system: str, port: int, extra: list[str]) -> int:
         app = create_app(Settings.from_args(ns), engine=engine)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
                             access_log=False, timeout_keep_alive=120)
-    uvicorn.Server(config).run()
-    return 0
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -165,7 +188,9 @@ def run_system(system: str, workloads: list[Workload], logs: Path, extra: list[s
     from tests.helpers import ServerProcess, engine_env, free_port
 
     port = free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", system, str(port), "--extra", json.dumps(extra)]
+    name, _, n = system.partition("x")  # "titox2": tito on 2 API processes
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", name, str(port), "--extra", json.dumps(extra),
+           "--api-servers", n or "1"]
     server = ServerProcess(cmd, port, logs / f"http-{system}-{port}.log", env=engine_env())
     server.start(timeout=120)
     assert server.proc is not None
@@ -219,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results")
     p.add_argument("--_serve", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--extra", default="[]", help=argparse.SUPPRESS)
+    p.add_argument("--api-servers", type=int, default=1, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns._serve:
-        return serve_main(ns._serve[0], int(ns._serve[1]), json.loads(ns.extra))
+        return serve_main(ns._serve[0], int(ns._serve[1]), json.loads(ns.extra), ns.api_servers)
 
     import shlex
 
@@ -234,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(ns.rounds):
         this = {}
         for s in systems:
-            this[s] = run_system(s, workloads, logs, shlex.split(ns.tito_args) if s == "tito" else [],
+            this[s] = run_system(s, workloads, logs, shlex.split(ns.tito_args) if s.startswith("tito") else [],
                                  ns.profile if ns.profile == s else None)
             print(f"round {r + 1}/{ns.rounds} {s}: " + ", ".join(
                 f"{w.name} {this[s][w.name]['cpu_ms_per_req']:.3f} ms/req {this[s][w.name]['req_s']:.0f} req/s"
