@@ -168,7 +168,7 @@ class TitoApp(FastAPI):
     ``create_app`` (``--log-requests`` mounts the request log so) turns the lean path off, so that it sees every
     request: the route is then served through the stack, by the same code (``routers.generate.serve_generate``)."""
 
-    lean: Any = None
+    lean: ASGIApp | None = None  # routers.generate_lean.Lean while no middleware was added after create_app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
