@@ -39,9 +39,6 @@ from routers.generate_wire import DONE, choice, plain_event_parts, prompt_logpro
 if TYPE_CHECKING:
     from app.engine.adapter import RequestOutput
 
-# Imported by name elsewhere (tests): the wire pieces as they were called here.
-_choice, _plain_event_parts, _sse = choice, plain_event_parts, sse
-
 log = logging.getLogger("tito.generate")
 router = APIRouter(tags=["generate"])
 
@@ -347,7 +344,7 @@ class _Stream:
                                                              self.num_lp, self.continuous)
         prompt_ids, mm_placeholders = self.prompt_ids, self.mm_placeholders
         generated = [0] * self.n
-        # Per choice index: the byte template of its plain events, made at its first one (see _plain_event_parts).
+        # Per choice index: the byte template of its plain events, made at its first one (plain_event_parts).
         plain: list[tuple[bytes, bytes] | None] | None = None if num_lp is not None or continuous else [None] * self.n
         cached: int | None = None
         finished = False

@@ -277,20 +277,20 @@ async def test_status_capture_feeds_the_request_counter_and_the_request_log(capl
 @pytest.mark.parametrize("request_id", ["generate-tokens-abc", 'generate-tokens-"token_ids":[]', "generate-tokens-é\n"])
 @pytest.mark.parametrize("index", [0, 3])
 def test_plain_stream_events_are_the_general_form_byte_for_byte(request_id: str, index: int) -> None:
-    """Mid-stream events come from a byte template (routers/generate.py ``_plain_event_parts``); the bytes must be
+    """Mid-stream events come from a byte template (routers/generate_wire.py ``plain_event_parts``); the bytes must be
     exactly those of the general chunk, whatever the request id holds."""
     from types import SimpleNamespace
 
     import orjson
 
-    from routers.generate import _choice, _plain_event_parts, _sse
+    from routers.generate_wire import choice, plain_event_parts, sse
 
-    head, tail = _plain_event_parts(request_id, index)
+    head, tail = plain_event_parts(request_id, index)
     for ids in ([7], [1, 2, 3, 4], list(range(500))):
         out = SimpleNamespace(index=index, finish_reason=None, stop_reason=None, token_ids=ids, weight_versions=None,
                               logprobs=None)
-        general = _sse({"request_id": request_id, "usage": None, "output_mode": "tokens",
-                        "choices": [_choice(out, None, final=False)]})  # type: ignore[arg-type]
+        general = sse({"request_id": request_id, "usage": None, "output_mode": "tokens",
+                       "choices": [choice(out, None, final=False)]})  # type: ignore[arg-type]
         assert head + orjson.dumps(ids) + tail == general
 
 
