@@ -100,26 +100,27 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 class BodyLimit(HttpMiddleware):
     """Refuse bodies over the limit with 413 before reading them (Content-Length) or while reading (chunked)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         super().__init__(app)
-        self.limit = limit
+        self.default = limit
+        self.paths = paths or {}  # routes with a limit of their own (staged weight uploads)
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.paths.get(scope["path"], self.default)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
                     size = int(v)
                 except ValueError:
                     size = -1
-                if size > self.limit or size < 0:
-                    msg = (f"request body of {size} bytes exceeds the limit of {self.limit} bytes."
+                if size > limit or size < 0:
+                    msg = (f"request body of {size} bytes exceeds the limit of {limit} bytes."
                            if size > 0 else "invalid Content-Length header.")
                     await _send_error(send, 413 if size > 0 else 400, msg)
                     return
                 await self.app(scope, receive, send)
                 return
         seen = 0
-        limit = self.limit
 
         async def counted() -> Message:
             nonlocal seen
@@ -175,7 +176,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     for r in ALL:
         app.include_router(r)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    from routers.staging import STAGE_ROUTES
+
+    # Weight bytes may be large: their routes take --max-stage-bytes (plus room for the multipart envelope).
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       paths={p: settings.max_stage_bytes + 65536 for p in STAGE_ROUTES})
     install_security(app, settings)  # API keys: before the body is read, inside the request counter
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
     _add_schemas(app)
