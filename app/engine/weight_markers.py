@@ -1,5 +1,5 @@
-"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py), the one
-thread helper both sides' background weight work uses, and the workers' test-only fault hook.
+"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py), the
+helper that lowers the staging process's priority, and the workers' test-only fault hook.
 
 Stdlib only.
 """

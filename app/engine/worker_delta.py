@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.engine.weight_markers import BUFFER_SUFFIXES, UNTOUCHED, inject_fault, lower_priority
+from app.engine.weight_markers import BUFFER_SUFFIXES, UNTOUCHED, inject_fault
 
 log = logging.getLogger("tito.worker.delta")
 
@@ -124,7 +124,6 @@ class DeltaWorker:
         out which tensors can be written in place. Runs beside generation; touches no live tensor."""
         from safetensors import safe_open
 
-        lower_priority()  # generation keeps the CPU; the copy fills in what is left
         t0 = time.perf_counter()
         try:
             tensors: dict[str, Any] = {}

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,30 @@ from app.engine.weight_markers import lower_priority
 
 UPLOAD_COPY_BLOCK = _HASH_BLOCK = 16 * 1024 * 1024
 
-# Staging's file and CPU work (writes, hashes, delta checks): its own low-priority threads.
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tito-stage", initializer=lower_priority)
+# Staging's file work (chunk writes, copies, hashes: the GIL is released while they run): threads of its own.
+_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tito-stage")
+# Reading and checking a delta is CPU work in Python and numpy: a process of its own, at low priority. In a thread it
+# would hold the GIL the event loop (and so every token stream) needs, and a low-priority thread holding the GIL
+# stalls the loop for as long as the kernel keeps it waiting: a priority inversion. Started on first use.
+_PROCESS: ProcessPoolExecutor | None = None
 
 
 async def background(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` in a staging thread (off the event loop, at low priority)."""
-    return await asyncio.get_running_loop().run_in_executor(_POOL, lambda: fn(*args))
+    """Run ``fn(*args)`` in a staging thread, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_THREADS, lambda: fn(*args))
+
+
+async def in_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=lower_priority)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_PROCESS, fn, *args)
+    except BrokenProcessPool:
+        _PROCESS = None  # the process died (killed, out of memory): the next stage starts another
+        raise ApiError(503, "the staging process died; retry the stage.", headers={"Retry-After": "1"}) from None
 
 
 def sha256_file(path: Path) -> str:

@@ -5,9 +5,10 @@ generates; the pause only commits.
   after ``/reload_weights``; tito's own label ``default`` is accepted for it too), else tito's weight version. A delta
   must name it as ``base_version``; ``dirty`` is tito's "weights inconsistent" state. One entry per staged version
   (staging it again replaces it), at most ``--max-staged-versions`` (the oldest is dropped).
-- **Stage** (any transport): a delta is read record by record in a thread, checked against the active weights'
-  names, shapes and dtypes (a bad one is a 400 here, never at commit) and written in tito's prepared form (sorted int64
-  indices) under the staging directory; the workers start filling their host copy of the active weights.
+- **Stage** (any transport): a delta is read record by record (in a low-priority process of its own), checked
+  against the active weights' names, shapes and dtypes (a bad one is a 400 here, never at commit) and written in
+  tito's prepared form (sorted int64 indices) under the staging directory; the workers start filling their host copy
+  of the active weights.
 - **Commit** (under ``WeightManager``'s one-update-at-a-time rule): the workers add the delta to their copy and load
   only what changed (app/engine/worker_delta.py); a full version is a checkpoint update from its staged directory.
 """
@@ -28,7 +29,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from app.core.protocol import ApiError
 from app.engine.delta_format import DeltaFormatError, StreamWriter, check_against, iter_delta
-from app.weights.stage_uploads import Uploads, background, remove_tree, safe_component, sha256_file
+from app.weights.stage_uploads import Uploads, background, in_process, remove_tree, safe_component, sha256_file
 from app.weights.updates import TensorInfo, UpdateOutcome, WeightManager, is_buffer, scan_checkpoint, validate
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class StagingManager:
         try:
             prepared = out_dir / "prepared.stream"
             try:
-                n, elements = await background(prepare_delta, artifact, prepared, tensors)
+                n, elements = await in_process(prepare_delta, artifact, prepared, tensors)
             except DeltaFormatError as e:
                 raise ApiError(400, f"bad delta {source}: {e}", param="file" if transport != "path" else "path") \
                     from None
