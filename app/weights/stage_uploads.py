@@ -40,12 +40,21 @@ async def background(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_THREADS, lambda: fn(*args))
 
 
+def _process_start() -> None:
+    """The staging process: its imports (torch among them) at normal priority, then low priority for the work (a
+    low-priority start-up on a busy machine took a minute)."""
+    import importlib
+
+    importlib.import_module("app.weights.staging")
+    lower_priority()
+
+
 async def in_process(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process."""
     global _PROCESS
     if _PROCESS is None:
         _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=lower_priority)
+                                       initializer=_process_start)
     try:
         return await asyncio.get_running_loop().run_in_executor(_PROCESS, fn, *args)
     except BrokenProcessPool:
