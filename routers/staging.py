@@ -11,6 +11,8 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from app.engine.delta_format import SAFETENSORS_NAME, resolve_artifact
 from app.server.state import AppState, get_state
 from app.weights.paths import resolve_allowed
 from app.weights.stage_uploads import UPLOAD_COPY_BLOCK, Upload, background, safe_component
-from app.weights.staging import UPLOADS, StagingManager, field_int, field_str
+from app.weights.staging import UPLOADS, WORKER_RPC_TIMEOUT, StagingManager, field_int, field_str
 from routers.weights import _disk_update
 
 log = logging.getLogger("tito.staging")
@@ -58,6 +60,23 @@ async def read_fields(request: Request) -> tuple[dict[str, Any], UploadFile | No
                 fields[k] = v
         return fields, upload, form
     return fields, None, None
+
+
+@asynccontextmanager
+async def request_fields(request: Request) -> AsyncIterator[tuple[dict[str, Any], UploadFile | None]]:
+    """``read_fields`` for a block: the form (and its spooled file part) is closed when the block ends."""
+    fields, upload, form = await read_fields(request)
+    try:
+        yield fields, upload
+    finally:
+        if form is not None:
+            await form.close()
+
+
+async def fields_only(request: Request) -> dict[str, Any]:
+    """The fields of a call that carries no file."""
+    async with request_fields(request) as (fields, _):
+        return fields
 
 
 def _mgr(state: AppState) -> StagingManager:
@@ -101,8 +120,7 @@ async def _register(mgr: StagingManager, version: str, mode: str, base: str | No
 @router.post("/stage", responses=ERROR_RESPONSES, summary="Stage a weight version (a path, or a multipart file)")
 async def stage(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, upload, form = await read_fields(request)
-    try:
+    async with request_fields(request) as (fields, upload):
         version, mode, base = mgr.check(fields)
         if upload is not None:
             name = safe_component(os.path.basename(upload.filename or SAFETENSORS_NAME))
@@ -128,9 +146,6 @@ async def stage(request: Request, state: AppState = Depends(get_state)) -> Respo
             out = await _register(mgr, version, mode, base, artifact, "path", raw, None)
         else:
             raise ApiError(400, "no file uploaded and no path given.", param="path")
-    finally:
-        if form is not None:
-            await form.close()
     return json_response(out)
 
 
@@ -171,8 +186,7 @@ async def _finish(mgr: StagingManager, up: Upload, size: int, sha256: str | None
 @router.post("/stage_chunk", responses=ERROR_RESPONSES, summary="One chunk of a chunked stage upload (any order)")
 async def stage_chunk(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, upload, form = await read_fields(request)
-    try:
+    async with request_fields(request) as (fields, upload):
         key, meta = _chunked(mgr, fields)
         offset = field_int(fields, "offset")
         if upload is None:
@@ -181,9 +195,6 @@ async def stage_chunk(request: Request, state: AppState = Depends(get_state)) ->
         data = await background(lambda: (upload.file.seek(0), upload.file.read())[1])
         await mgr.uploads.write(up, offset, data, len(data))
         UPLOADS.set(sum(u.result is None for u in mgr.uploads.active.values()))
-    finally:
-        if form is not None:
-            await form.close()
     return json_response({"status": "ok", "version": meta["version"], "mode": meta["mode"],
                           "received_bytes": up.received, "finalized": up.result is not None})
 
@@ -191,12 +202,7 @@ async def stage_chunk(request: Request, state: AppState = Depends(get_state)) ->
 @router.post("/stage_finalize", responses=ERROR_RESPONSES, summary="Check and stage a chunked upload")
 async def stage_finalize(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, _, form = await read_fields(request)
-    try:
-        key, meta = _chunked(mgr, fields)
-    finally:
-        if form is not None:
-            await form.close()
+    key, meta = _chunked(mgr, await fields_only(request))
     up = mgr.uploads.get(key)
     if up is None:
         raise ApiError(404, f"no chunked upload of {meta['filename']} for version {meta['version']} (send its "
@@ -210,9 +216,7 @@ async def stage_finalize(request: Request, state: AppState = Depends(get_state))
 @router.post("/stage_stream_init", responses=ERROR_RESPONSES, summary="Start (or look up) a streaming stage upload")
 async def stage_stream_init(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, _, form = await read_fields(request)
-    if form is not None:
-        await form.close()
+    fields = await fields_only(request)
     upload_id = field_str(fields, "upload_id", required=False) or os.urandom(16).hex()
     up = mgr.uploads.get("stream:" + upload_id)
     if up is not None and up.result is not None:
@@ -260,9 +264,7 @@ async def stage_stream_chunk(request: Request, state: AppState = Depends(get_sta
 @router.post("/stage_stream_finalize", responses=ERROR_RESPONSES, summary="Check and stage a streaming upload")
 async def stage_stream_finalize(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, _, form = await read_fields(request)
-    if form is not None:
-        await form.close()
+    fields = await fields_only(request)
     up = _stream(mgr, fields)
     size = field_int(fields, "final_size")
     return json_response(await _finish(mgr, up, size, field_str(fields, "sha256", required=False), "streaming"))
@@ -274,9 +276,7 @@ async def stage_stream_finalize(request: Request, state: AppState = Depends(get_
 @router.post("/commit", responses=ERROR_RESPONSES, summary="Apply a staged version (under the pause)")
 async def commit(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
-    fields, _, form = await read_fields(request)
-    if form is not None:
-        await form.close()
+    fields = await fields_only(request)
     version = field_str(fields, "version")
     assert version is not None
     mode = field_str(fields, "mode", required=False)
@@ -311,7 +311,8 @@ async def weight_layout(request: Request, state: AppState = Depends(get_state)) 
     unknown = [n for n in names if n not in expected]
     if unknown:
         raise ApiError(404, f"the model has no tensor(s) {unknown[:4]}.", param="name")
-    workers = await state.engine.delta_layout({n: list(expected[n].shape) for n in names})
+    workers = await asyncio.wait_for(state.engine.delta_layout({n: list(expected[n].shape) for n in names}),
+                                     WORKER_RPC_TIMEOUT)
     return json_response({"workers": workers})
 
 
@@ -320,7 +321,7 @@ async def weight_status(state: AppState = Depends(get_state)) -> Response:
     mgr = state.staging
     if not state.engine.errored:
         try:  # the workers' host copy as it is now (filled in the background after a stage)
-            mgr.workers = await asyncio.wait_for(state.engine.delta_status(), 10.0)
+            mgr.workers = await asyncio.wait_for(state.engine.delta_status(), WORKER_RPC_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - the status still answers, with the last known copy state
             log.warning("delta_status failed: %s", e)
     info = mgr.info()

@@ -148,3 +148,13 @@ def perturb(sd: dict[str, torch.Tensor], fraction: float, seed: int, scale: floa
         flat[mask] = (flat[mask].float() + step).to(t.dtype)
         out[name] = t
     return out
+
+
+BAD_DELTAS = {  # (base change, target change) that make a delta the model cannot take
+    "unknown tensor": ({"model.layers.9.mlp.up_proj.weight": torch.ones(4)},
+                       {"model.layers.9.mlp.up_proj.weight": torch.zeros(4)}),
+    "shape": ({"model.norm.weight": torch.ones(64)}, {"model.norm.weight": torch.full((64,), 2.0)}),
+    "int values on a float tensor": ({"model.norm.weight": torch.ones(128, dtype=torch.int64)},
+                                     {"model.norm.weight": torch.full((128,), 2, dtype=torch.int64)}),
+}
+

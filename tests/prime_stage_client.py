@@ -77,11 +77,11 @@ async def stage(c: httpx.AsyncClient, step_dir: Path, version: str, base: str, t
                        data={"upload_id": upload_id, "final_size": str(len(raw)), "sha256": sha})).json()
 
 
-async def commit(c: httpx.AsyncClient, version: str) -> httpx.Response:
+async def commit(c: httpx.AsyncClient, version: str, mode: str = "delta") -> httpx.Response:
     """pause (keep) -> commit -> resume (in finally); the commit's answer, unchecked."""
     r = await c.post("/pause", params={"mode": "keep", "clear_cache": "false"})
     r.raise_for_status()
     try:
-        return await c.post("/commit", data={"version": version, "mode": "delta"})
+        return await c.post("/commit", data={"version": version, "mode": mode})
     finally:
         await c.post("/resume")

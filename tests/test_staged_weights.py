@@ -17,7 +17,7 @@ import torch
 from app.tiny.model import TINY_CONFIG, tiny_state_dict
 from tests import prime_stage_client as prime
 from tests.conftest import fault_file
-from tests.delta_encoder import perturb, write_delta
+from tests.delta_encoder import BAD_DELTAS, perturb, write_delta
 from tests.helpers import ServerProcess, greedy_answer, restore_server
 from tests.test_weights import PROMPTS, greedy, reference_greedy, start_endless, write_step
 
@@ -63,11 +63,12 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, dict[str
     return out
 
 
-def test_prime_stage_commit_over_every_transport(client: httpx.Client, server: ServerProcess,
+def test_prime_stage_commit_over_every_transport(client: httpx.Client, server: ServerProcess, tito: ServerProcess,
                                                  chain: list[tuple[Path, dict[str, torch.Tensor]]],
                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """Per step: stage while a request streams, pause (keep) -> commit -> resume; the request's spans name the
-    version before and after, contiguously; the server then answers exactly as transformers on the target weights."""
+    version before and after, contiguously; the server then answers exactly as transformers on the target weights.
+    Then the same weights staged in full, and a delta back to the base weights, which answers as a fresh engine."""
     if client.get("/weight_status").json()["active_version"] != "base":  # a rerun after a failure midway
         assert client.post("/reload_weights").status_code == 200
     # The first stage starts the server's staging process (seconds on a busy machine): not while a request runs.
@@ -103,14 +104,31 @@ def test_prime_stage_commit_over_every_transport(client: httpx.Client, server: S
     metrics = client.get("/metrics").text
     for transport in prime.TRANSPORTS:
         assert f'tito_stages_total{{mode="delta",outcome="ok",transport="{transport}"}}' in metrics
-    # The same weights loaded in full (the path a fresh engine's load takes) answer identically.
+    # The same weights staged in full (a checkpoint, loaded as a fresh engine loads one) answer identically.
     after_delta = greedy_answer(client)
     full = write_step(tmp_path_factory.mktemp("delta-full") / "step_4", chain[-1][1])
-    r = client.post("/update_weights", json={"weight_dir": str(full), "weight_version": "4-full"})
+    r = client.post("/stage", data={"version": "4-full", "mode": "full", "path": str(full)})
     assert r.status_code == 200, r.text
+    r = run(server.url, lambda c: prime.commit(c, "4-full", mode="full"))
+    assert r.status_code == 200 and r.json()["mode"] == "full", r.text
     after_full = greedy_answer(client)
     assert after_delta["tokens"] == after_full["tokens"]
     assert after_delta["logprobs"] == pytest.approx(after_full["logprobs"], abs=1e-6)
+    # A delta back to the base weights, on top of that full version: the answers of the shared default server, a
+    # fresh engine started on them (the same tiny model; fp32).
+    back = write_delta(tmp_path_factory.mktemp("delta-back") / "delta.safetensors", chain[-1][1], tiny_state_dict())
+    with back.open("rb") as f:
+        r = client.post("/stage", data={"version": "5", "mode": "delta", "base_version": "4-full"},
+                        files={"file": ("delta.safetensors", f, "application/octet-stream")})
+    assert r.status_code == 200, r.text
+    r = run(server.url, lambda c: prime.commit(c, "5"))
+    assert r.status_code == 200 and r.json()["active_version"] == "5", r.text
+    with httpx.Client(base_url=tito.url, timeout=120.0) as fresh:
+        want = greedy_answer(fresh)
+        assert greedy(client, n=16) == greedy(fresh, n=16)
+    got = greedy_answer(client)
+    assert got["tokens"] == want["tokens"] and got["tokens"] != after_delta["tokens"]
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
 
 
 def test_hf_tensors_map_onto_vllms_fused_parameters(server: ServerProcess) -> None:
@@ -164,10 +182,27 @@ def test_contract_refusals_leave_the_model_untouched(client: httpx.Client, serve
     assert client.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base",
                                        "path": str(d1 / "missing")}).status_code == 404
     assert client.post("/commit", data={"version": "7", "mode": "delta"}).status_code == 404
-    bad = write_delta(tmp_path_factory.mktemp("bad-delta") / "delta.safetensors",
-                      {"model.norm.weight": torch.ones(64)}, {"model.norm.weight": torch.zeros(64)})
-    r = client.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base", "path": str(bad)})
-    assert r.status_code == 400 and "shape mismatch" in r.text
+    # Deltas the model cannot take (names, shapes, dtypes; a truncated file) are 400s at stage time; a chunked upload
+    # whose bytes do not match its sha256 is a 409 at finalize. None reaches the engine.
+    bad_dir = tmp_path_factory.mktemp("bad-delta")
+    base_sd = tiny_state_dict()
+    for i, (case, (b_change, t_change)) in enumerate(BAD_DELTAS.items()):
+        bad = write_delta(bad_dir / str(i) / "delta.safetensors", {**base_sd, **b_change},
+                          {**chain[0][1], **t_change})
+        r = client.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base", "path": str(bad)})
+        assert r.status_code == 400, (case, r.text)
+    cut = bad_dir / "cut" / "delta.stream"
+    cut.parent.mkdir()
+    cut.write_bytes((d1 / "delta.stream").read_bytes()[:-1000])
+    r = client.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base", "path": str(cut)})
+    assert r.status_code == 400 and "bytes, the file has" in r.text, r.text
+    raw = (d1 / "delta.safetensors").read_bytes()
+    chunk = {"version": "1", "mode": "delta", "base_version": "base", "filename": "delta.safetensors",
+             "total_size": str(len(raw)), "sha256": "0" * 64}
+    r = client.post("/stage_chunk", data={**chunk, "offset": "0"}, files={"file": ("chunk", raw)})
+    assert r.status_code == 200, r.text
+    assert client.post("/stage_finalize", data=chunk).status_code == 409
+    assert client.get("/weight_status").json()["staged"] == []
     assert stage(version="1", base_version="base").status_code == 200
     assert client.post("/commit", data={"version": "1", "mode": "full"}).status_code == 409
     assert greedy(client) == before and client.get("/weight_info").json() == {"weight_version": "default"}

@@ -5,6 +5,7 @@ The real-engine test (tests/test_staged_weights.py) is the evidence that a commi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -14,13 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
+from app.core.protocol import ApiError
 from app.core.settings import Settings
 from app.main import create_app
 from app.tiny.model import make_tiny_model, tiny_state_dict
 from tests import prime_stage_client as prime
-from tests.delta_encoder import perturb, write_delta
+from tests.delta_encoder import BAD_DELTAS, perturb, write_delta
 from tests.fake_engine import FakeEngine
 
 
@@ -138,19 +139,10 @@ async def test_version_rules(model_dir: Path, root: Path, steps: dict[str, Path]
         assert r.status_code == 409 and "base_version mismatch" in r.text
 
 
-BAD = {  # (base change, target change) that make a delta the model cannot take
-    "unknown tensor": ({"model.layers.9.mlp.up_proj.weight": torch.ones(4)},
-                       {"model.layers.9.mlp.up_proj.weight": torch.zeros(4)}),
-    "shape": ({"model.norm.weight": torch.ones(64)}, {"model.norm.weight": torch.full((64,), 2.0)}),
-    "int values on a float tensor": ({"model.norm.weight": torch.ones(128, dtype=torch.int64)},
-                                     {"model.norm.weight": torch.full((128,), 2, dtype=torch.int64)}),
-}
-
-
 async def test_bad_delta_is_a_400_at_stage_time(model_dir: Path, root: Path) -> None:
     base = tiny_state_dict()
     async with serve(model_dir, root) as (c, eng):
-        for i, (case, (b_change, t_change)) in enumerate(BAD.items()):
+        for i, (case, (b_change, t_change)) in enumerate(BAD_DELTAS.items()):
             b, t = {**base, **b_change}, {**perturb(base, 0.05, 9), **t_change}
             d = write_delta(root / f"bad{i}" / "delta.safetensors", b, t)
             r = await c.post("/stage", data={"version": "v", "mode": "delta", "base_version": "base",
@@ -327,3 +319,52 @@ async def test_a_delta_needs_the_active_checkpoint_or_a_copy(model_dir: Path, ro
         app_state.weights.origin = None  # what a broadcast or vLLM's native transfer leaves
         r = await c.post("/stage", data={"version": "s2", "mode": "delta", "base_version": "s1", "path": str(d)})
         assert r.status_code == 409 and "broadcast" in r.text, r.text
+
+
+async def test_commit_and_vllms_native_transfer_are_one_update_at_a_time(model_dir: Path, root: Path,
+                                                                       steps: dict[str, Path]) -> None:
+    """vLLM's native transfer (HTTP /start_weight_update .. /finish_weight_update and vllm.Control's
+    StartWeightUpdate .. FinishWeightUpdate over gRPC both run as ``WeightManager.native``) and a commit exclude each
+    other; a native update leaves the weights where no staged delta's base is."""
+    async with serve(model_dir, root, engine=FakeEngine(delta_delay=0.2)) as (c, eng):
+        native = c._transport.app.state.tito.weights.native  # type: ignore[attr-defined]
+        await prime.stage(c, steps["step_1"], "1", "base", "path")
+        await native("start", eng.start_weight_update)
+        r = await c.post("/commit", data={"version": "1", "mode": "delta"})
+        assert r.status_code == 409 and "native weight update" in r.text, r.text
+        assert [s["version"] for s in (await c.get("/weight_status")).json()["staged"]] == ["1"]
+        await native("finish", lambda: eng.finish_weight_update("n1"), "n1")
+        r = await c.post("/commit", data={"version": "1", "mode": "delta"})
+        assert r.status_code == 409 and "base_version mismatch" in r.text, r.text
+        assert not _calls(eng, "delta_commit")
+        assert (await c.get("/weight_status")).json()["active_version"] == "n1"
+        # A native start while a commit applies: 409, the commit completes.
+        assert (await c.post("/reload_weights")).status_code == 200
+        await prime.stage(c, steps["step_1"], "1", "base", "path")
+        commit = asyncio.ensure_future(c.post("/commit", data={"version": "1", "mode": "delta"}))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as e:
+            await native("start", eng.start_weight_update)
+        assert e.value.status == 409
+        assert (await commit).status_code == 200 and eng.weight_version == "1"
+
+
+async def test_stage_timeout_bounds_the_check_and_the_apply(model_dir: Path, root: Path,
+                                                            steps: dict[str, Path]) -> None:
+    """``--stage-timeout`` bounds a delta's check (the staging process is killed: 504, which Prime's client retries;
+    the next stage starts another process) and a commit's apply in the workers (504; the workers may have changed
+    some weights, so they are inconsistent until /reload_weights)."""
+    stage = {"version": "1", "mode": "delta", "base_version": "base", "path": steps["step_1"].as_posix()}
+    async with serve(model_dir, root, engine=FakeEngine(delta_delay=2.0), stage_timeout=0.001) as (c, eng):
+        mgr = c._transport.app.state.tito.staging  # type: ignore[attr-defined]
+        r = await c.post("/stage", data=stage)
+        assert r.status_code == 504 and "--stage-timeout" in r.text, r.text
+        assert (await c.get("/weight_status")).json()["staged"] == []
+        mgr.settings = dataclasses.replace(mgr.settings, stage_timeout=120.0)
+        assert (await c.post("/stage", data=stage)).status_code == 200
+        mgr.settings = dataclasses.replace(mgr.settings, stage_timeout=0.1)
+        r = await prime.commit(c, "1")
+        assert r.status_code == 504, r.text
+        assert (await c.get("/weight_status")).json()["weights_dirty"] is True
+        assert (await c.post("/reload_weights")).status_code == 200
+        assert (await c.get("/weight_status")).json()["weights_dirty"] is False

@@ -49,17 +49,26 @@ def _process_start() -> None:
     lower_priority()
 
 
-async def in_process(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process."""
+async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process; past
+    ``timeout`` seconds the process is killed (the next call starts another) and the caller gets a 504."""
     global _PROCESS
     if _PROCESS is None:
         _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                        initializer=_process_start)
+    pool = _PROCESS
     try:
-        return await asyncio.get_running_loop().run_in_executor(_PROCESS, fn, *args)
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args), timeout)
     except BrokenProcessPool:
         _PROCESS = None  # the process died (killed, out of memory): the next stage starts another
         raise ApiError(503, "the staging process died; retry the stage.", headers={"Retry-After": "1"}) from None
+    except TimeoutError:
+        _PROCESS = None
+        for proc in list((pool._processes or {}).values()):  # the executor offers no way to stop a running call
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise ApiError(504, f"checking the delta took over {timeout:g}s (--stage-timeout); retry the stage.") \
+            from None
 
 
 def sha256_file(path: Path) -> str:

@@ -42,6 +42,7 @@ Guard = Callable[[str, Callable[[], Awaitable[UpdateOutcome]]], Callable[[], Awa
 log = logging.getLogger("tito.staging")
 
 MODES = ("full", "delta")
+WORKER_RPC_TIMEOUT = 60.0  # the workers' quick answers (copy status, prepare, layout); the engine core may be busy
 BASE = "base"
 
 STAGED = Gauge("tito_staged_versions", "Weight versions staged and not yet committed")
@@ -218,7 +219,8 @@ class StagingManager:
         try:
             prepared = out_dir / "prepared.stream"
             try:
-                n, elements = await in_process(prepare_delta, artifact, prepared, tensors)
+                n, elements = await in_process(prepare_delta, artifact, prepared, tensors,
+                                               timeout=self.settings.stage_timeout)
             except DeltaFormatError as e:
                 raise ApiError(400, f"bad delta {source}: {e}", param="file" if transport != "path" else "path") \
                     from None
@@ -233,7 +235,10 @@ class StagingManager:
         self._add(entry)
         STAGE_SECONDS.observe(dt)
         if not self.weights.busy:  # else an update (a commit) is changing the weights: it prepares them itself
-            await self._prepare_workers(self.active_version, files)
+            try:
+                await self._prepare_workers(self.active_version, files)
+            except ApiError as e:  # the version is staged all the same: the commit prepares the copy again
+                log.warning("staged %s, but the workers' copy is not filling yet: %s", version, e.message)
         log.info("staged delta %s on %s via %s: %d tensors, %d elements, %d bytes, checked in %.3fs", version, base,
                  transport, n, elements, entry.nbytes, dt)
         return self._answer(entry)
@@ -296,7 +301,11 @@ class StagingManager:
 
     async def _prepare_workers(self, version: str, files: list[str] | None) -> list[Any]:
         """Have the workers' host copy hold ``version`` (filled in the background while generation goes on)."""
-        self.workers = await self.engine.delta_prepare(version, files)
+        try:  # answers at once (the copy fills in a worker thread): a bounded wait
+            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files), WORKER_RPC_TIMEOUT)
+        except TimeoutError:
+            raise ApiError(504, f"the workers did not answer within {WORKER_RPC_TIMEOUT:g}s (preparing their copy "
+                                f"of version {version}); nothing was changed, retry.") from None
         return self.workers
 
     # ------------------------------------------------------------------ commit
@@ -339,7 +348,10 @@ class StagingManager:
             prepared = str(entry.prepared)
 
             async def load() -> list[Any]:
-                results.extend(await self.engine.delta_commit(prepared, base, entry.version))
+                # A timeout raises TimeoutError: 504, and the weights count as inconsistent (the workers may have
+                # changed some of them), as for any apply that fails halfway.
+                results.extend(await asyncio.wait_for(self.engine.delta_commit(prepared, base, entry.version),
+                                                      self.settings.stage_timeout))
                 return results
 
             origin = {"kind": "delta", "version": entry.version, "tensors": tensors}
