@@ -110,21 +110,22 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 class BodyLimit(HttpMiddleware):
     """Refuse bodies over the limit with 413 before reading them (Content-Length) or while reading (chunked)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         super().__init__(app)
-        self.limit = limit
+        self.default = limit
+        self.paths = paths or {}  # routes with a limit of their own (staged weight uploads)
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.paths.get(scope["path"], self.default)
         for k, v in scope["headers"]:
             if k == b"content-length":
-                refused = content_length_refusal(v, self.limit)
+                refused = content_length_refusal(v, limit)
                 if refused is not None:
                     await send_api_error(send, refused)
                     return
                 await self.app(scope, receive, send)
                 return
         seen = 0
-        limit = self.limit
 
         async def counted() -> Message:
             nonlocal seen
@@ -201,7 +202,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     for r in ALL:
         app.include_router(r)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    from routers.staging import STAGE_ROUTES
+
+    # Weight bytes may be large: their routes take --max-stage-bytes (plus room for the multipart envelope).
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       paths={p: settings.max_stage_bytes + 65536 for p in STAGE_ROUTES})
     install_security(app, settings)  # API keys: before the body is read, inside the request counter
     app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
     _add_schemas(app)

@@ -147,6 +147,8 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "weights_inconsistent": state.weights.inconsistent is not None,
             "weights_inconsistent_detail": state.weights.inconsistent.body() if state.weights.inconsistent else None,
             "weight_update_running": state.weights.busy,
+            # Staged versions, Prime-RL's active version and the workers' delta copy (app/weights/staging.py).
+            "staging": state.staging.info(),
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },

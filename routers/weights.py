@@ -114,7 +114,10 @@ async def update_weights(request: Request, state: AppState = Depends(get_state))
 
 @router.post("/reload_weights", responses=ERROR_RESPONSES, summary="Re-read the served model's own checkpoint")
 async def reload_weights(request: Request, state: AppState = Depends(get_state)) -> Response:
-    body = await _json_body(request, required=False)
+    if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded", "multipart/")):
+        body = dict(await request.form())  # Prime-RL's stage/commit client posts form fields (resume, relay)
+    else:
+        body = await _json_body(request, required=False)
     state.check_engine()
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
@@ -149,7 +152,10 @@ async def _disk_update(state: AppState, directory: Path, version: str | None, so
         async def load() -> list[Any]:
             return await state.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)
 
-        return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}")
+        # What a staged delta builds on (app/weights/staging.py): these files, as they were when loaded.
+        origin = {"kind": "base" if source == "reload" else "checkpoint", "dir": str(directory),
+                  "files": [str(f) for f in ck.files], "fingerprint": ck.fingerprint}
+        return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}", origin)
 
     # Under the control lock: pause/resume calls sent meanwhile run after the update, in order (app/server/control.py).
     return await mgr.run(key, state.control.guard(f"weight update ({source})", work), version)

@@ -15,6 +15,9 @@ reports the share of the reload spent re-processing the loaded layers (``process
 is where vLLM re-packs every linear weight for oneDNN).
 
     .venv/bin/python scripts/bench_weights.py [--workdir /tmp/tito-bench] [--repeat 5] [--systems tito,vllm] [--profile]
+
+``--delta`` instead benchmarks staged sparse-delta updates against full updates of the same steps
+(scripts/bench_delta.py: commit pause, and generation throughput while a stage uploads).
 """
 
 from __future__ import annotations
@@ -237,7 +240,20 @@ def main() -> int:
     p.add_argument("--systems", default="tito,vllm", help="Comma-separated subset of tito,vllm.")
     p.add_argument("--profile", action="store_true", help="Sample the engine with py-spy: re-processing share.")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    p.add_argument("--delta", action="store_true", help="Staged deltas vs full updates (scripts/bench_delta.py).")
+    p.add_argument("--blocks", type=int, default=2, help="--delta: alternating blocks of --repeat steps each.")
+    p.add_argument("--streams", type=int, default=4, help="--delta: closed-loop generating clients.")
+    p.add_argument("--transport", default="streaming", help="--delta: path, multipart, chunked or streaming.")
+    p.add_argument("--fraction", type=float, default=0.02, help="--delta: share of elements a step changes.")
     a = p.parse_args()
+    if a.delta:
+        from scripts import bench_delta
+
+        res = bench_delta.run(a.workdir, a.repeat, a.blocks, a.streams, a.transport, a.fraction)
+        bench_delta.report(res)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=2))
+        return 0
     model, steps = write_checkpoints(a.workdir)
     size = (steps[0] / "model.safetensors").stat().st_size
     res, reads = run([s for s in a.systems.split(",") if s], model, steps, a.workdir, a.repeat, a.profile)

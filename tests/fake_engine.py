@@ -64,6 +64,9 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     calls: list[tuple[str, Any]] = field(default_factory=list)
     weight_version: str = "default"
+    delta_fail: BaseException | None = None  # raised by the next delta_commit (after "changing" the model)
+    delta_delay: float = 0.0  # seconds each delta_commit takes
+    _delta_version: str | None = None  # the version the "workers' copy" holds
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -170,7 +173,32 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ weights and facts (recorded; no model here)
 
+    async def delta_prepare(self, version: str, files: list[str] | None) -> list[Any]:
+        self.calls.append(("delta_prepare", {"version": version, "files": files}))
+        held = self._delta_version
+        if files is None and held != version:
+            return [{"state": "missing", "version": held}]
+        self._delta_version = version
+        return [{"state": "ready", "version": version}]
+
+    async def delta_status(self) -> list[Any]:
+        return [{"state": "ready" if self._delta_version else "empty", "version": self._delta_version}]
+
+    async def delta_layout(self, shapes: dict[str, list[int]]) -> list[Any]:
+        return [{n: {"param": n, "shard": None, "shape": s, "inplace": False, "runs": None} for n, s in shapes.items()}]
+
+    async def delta_commit(self, path: str, base: str, version: str) -> list[Any]:
+        self.calls.append(("delta_commit", {"path": path, "base": base, "version": version}))
+        await asyncio.sleep(self.delta_delay)
+        if self.delta_fail is not None:
+            err, self.delta_fail = self.delta_fail, None
+            self._delta_version = None
+            raise err
+        self._delta_version = version
+        return [{"reload_seconds": 0.0, "inplace": 0}]
+
     async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:
+        self._delta_version = None
         return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
 
     async def init_broadcaster(self, **kw: Any) -> list[Any]:

@@ -78,7 +78,7 @@ def test_protect_metrics_moves_metrics_to_the_data_plane():
 
 
 ADMIN_WORDS = ("pause", "resume", "weight", "broadcast", "load_lora", "unload_lora", "drain", "abort", "sleep",
-               "wake", "reset", "collective", "shutdown", "transfer")
+               "wake", "reset", "collective", "shutdown", "transfer", "stage", "commit")
 
 
 def test_every_mounted_route_has_the_intended_plane():
@@ -132,6 +132,8 @@ def test_data_route_missing_wrong_and_right_key(both):
     ("POST", "/init_broadcaster"), ("POST", "/load_lora_adapter"), ("POST", "/v1/load_lora_adapter"),
     ("POST", "/v1/unload_lora_adapter"), ("POST", "/drain"), ("DELETE", "/drain"), ("POST", "/abort_requests"),
     ("POST", "/inference/v1/abort_requests"), ("GET", "/is_paused"), ("POST", "/update_weight_version"),
+    ("POST", "/stage"), ("POST", "/stage_chunk"), ("POST", "/stage_stream_init"), ("POST", "/stage_stream_chunk"),
+    ("POST", "/commit"), ("GET", "/weight_status"),
 ])
 def test_admin_route_needs_the_admin_key(both, method, path):
     body = {"lora_name": "a", "lora_path": "/tmp"} if "lora" in path else {}

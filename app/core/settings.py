@@ -78,6 +78,14 @@ class Settings:
     warmup: bool = flag(True, "Run one real generation before reporting ready.")
     weight_transfer_backend: str | None = flag(
         None, "vLLM weight-transfer backend for /init_weight_transfer_engine (nccl, ipc, ...; all need a GPU).")
+    # --- staged weight updates (/stage*, /commit; see README "Staged and delta updates")
+    staging_dir: str | None = flag(None, "Where staged versions and uploads are kept (a fresh subdirectory per server, "
+                                   "removed at exit; default: the system temp directory).")
+    max_staged_versions: int = flag(2, "Staged versions kept on disk (staging another drops the oldest); uploads in "
+                                    "progress: twice that, at least 4.")
+    max_stage_bytes: int = flag(16 * 1024**3, "Largest staged upload (a file, or the total of its chunks): 413 beyond.")
+    stage_timeout: float = flag(600.0, "Seconds a stage's check of a delta, or a commit's apply in the workers, may "
+                                "take: 504 beyond (a commit that timed out leaves the weights inconsistent).")
     # --- security
     allowed_weight_root: list[str] | None = flag(
         None, "Directory that weight_dir/lora_path may resolve into (repeatable; default: the model's parent and the "

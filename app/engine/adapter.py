@@ -356,6 +356,23 @@ class Engine:
         """Load validated safetensors files into every worker, in place (vLLM's ``reload_weights``)."""
         return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
 
+    async def delta_prepare(self, version: str, files: list[str] | None) -> list[Any]:
+        """Every worker makes sure its host copy of the weights holds ``version`` (fills it from ``files`` in the
+        background if not; app/engine/worker_delta.py). Returns each worker's copy status at once."""
+        return await self.collective_rpc("tito_delta_prepare", kwargs={"version": version, "files": files})
+
+    async def delta_status(self) -> list[Any]:
+        """Each worker's host copy: version, state (empty, filling, ready, error), size."""
+        return await self.collective_rpc("tito_delta_status")
+
+    async def delta_layout(self, shapes: dict[str, list[int]]) -> list[Any]:
+        """Each worker: where these HF tensors' elements land in vLLM's parameters, and which are written in place."""
+        return await self.collective_rpc("tito_delta_trace", kwargs={"shapes": shapes})
+
+    async def delta_commit(self, path: str, base: str, version: str) -> list[Any]:
+        """Every worker applies the prepared delta at ``path`` on top of ``base`` (under the pause)."""
+        return await self.collective_rpc("tito_delta_commit", kwargs={"path": path, "base": base, "version": version})
+
     async def init_broadcaster(self, **kw: Any) -> list[Any]:
         """Every worker joins the trainer's weight-broadcast group (Prime-RL's NCCL protocol; gloo on CPU)."""
         return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)

@@ -1,7 +1,14 @@
-"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py).
+"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py), the
+helper that lowers the staging process's priority, and the workers' test-only fault hook.
 
 Stdlib only.
 """
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 # Non-parameter buffers some trainers save (HF rotary caches, BatchNorm counters): recognized and skipped.
 BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq", "rotary_emb.cos_cached",
@@ -11,3 +18,42 @@ CLIENT_ERROR = "TITO_CLIENT_ERROR: "
 TIMEOUT_ERROR = "TITO_TIMEOUT: "
 # Marker on worker errors raised before the model was touched: such a failed update leaves the old weights intact.
 UNTOUCHED = "TITO_UNTOUCHED: "
+
+BACKGROUND_NICE = 10
+
+
+def lower_priority() -> None:
+    """Make the calling thread yield the CPU to generation (Linux: niceness is per thread). Staged weight work
+    (uploads, checks, the workers' copy of the weights) is background work: on a busy machine it takes longer, the
+    engine does not slow down for it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+# ------------------------------------------------------------------------------------------ test-only fault hook
+
+# TEST ONLY. When the environment names a file in TITO_TEST_FAULT_FILE, each weight load consumes it (reads, then
+# deletes it): "read:N" makes the Nth tensor read raise an I/O error, "shape:N" hands vLLM's loader a wrong-shaped
+# Nth tensor (its loader raises mid-load), "skip:NAME" silently drops tensor NAME (the layer then loads nothing).
+FAULT_ENV = "TITO_TEST_FAULT_FILE"
+
+
+def inject_fault(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    path = os.environ.get(FAULT_ENV)
+    spec = ""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            spec = f.read().strip()
+        os.unlink(path)
+        logging.getLogger("tito.worker").warning("TEST fault injection active for this load: %s", spec)
+    kind, _, arg = spec.partition(":")
+    for i, (name, t) in enumerate(items, start=1):
+        if kind == "read" and i == int(arg):
+            raise OSError(5, f"Input/output error (injected) reading tensor {name!r}")
+        if kind == "shape" and i == int(arg):
+            t = t[:-1]
+        if kind == "skip" and name == arg:
+            continue
+        yield name, t

@@ -17,7 +17,8 @@ from datetime import timedelta
 from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
-from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
+from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED, inject_fault
+from app.engine.worker_delta import DeltaWorker
 
 log = logging.getLogger("tito.worker")
 
@@ -43,7 +44,7 @@ class _Broadcaster:
         self.close = close
 
 
-class TitoWorkerExtension:
+class TitoWorkerExtension(DeltaWorker):
     _tito_bcast: _Broadcaster | None = None
 
     def liveness_probe(self) -> int:
@@ -62,17 +63,19 @@ class TitoWorkerExtension:
         from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
         skipped = set(skip)
+        self.tito_delta_reset()  # the staged-delta copy mirrors the weights this replaces (worker_delta.py)
         t0 = time.perf_counter()
         it = ((n, t) for n, t in safetensors_weights_iterator(list(files), False) if n not in skipped)
-        kept = self._tito_reload(_inject_fault(it))
+        kept = self._tito_reload(inject_fault(it))
         return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, **kept}
 
-    def _tito_reload(self, weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    def _tito_reload(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> dict[str, Any]:
         """vLLM's in-place ``reload_weights``, with its per-layer report checked: a layer the checkpoint should have
         covered but that loaded nothing fails the update. Returns what was kept as is (layers holding only
-        non-checkpoint buffers) and a digest of the rotary caches before and after, for the server's one INFO line."""
+        non-checkpoint buffers) and a digest of the rotary caches before and after, for the server's one INFO line.
+        ``partial`` (a delta's layers): unfed layers are kept; the caller checks ``not_loaded`` itself."""
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
-        report.reset()
+        report.reset(partial)
         before = self.tito_buffer_digests()
         t0 = time.perf_counter()
         try:
@@ -84,7 +87,7 @@ class TitoWorkerExtension:
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
         # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it.
-        return {"kept": dict(report.kept), "rotary_before": _digest_of(before),
+        return {"kept": dict(report.kept), "rotary_before": _digest_of(before), "not_loaded": sorted(report.not_loaded),
                 "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": reload_s}
 
     def _tito_abandon_reload(self) -> None:
@@ -183,6 +186,7 @@ class TitoWorkerExtension:
         b: _Broadcaster | None = getattr(self, "_tito_bcast", None)
         if b is None:
             raise ValueError(f"{UNTOUCHED}{CLIENT_ERROR}no broadcast group: call /init_broadcaster first.")
+        self.tito_delta_reset()
         rx = _Receiver(self, b, float(timeout or b.timeout), expected)
         t0 = time.perf_counter()
         try:
@@ -294,9 +298,11 @@ class ReloadReport(logging.Filter):
         self.benign = benign  # layer class names whose instances hold only non-checkpoint buffers
         self.kept: dict[str, int] = {}
         self.failed: list[str] = []
+        self.partial = False  # a delta's reload: the layers it does not feed load nothing
+        self.not_loaded: set[str] = set()
 
-    def reset(self) -> None:
-        self.kept, self.failed = {}, []
+    def reset(self, partial: bool = False) -> None:
+        self.kept, self.failed, self.partial, self.not_loaded = {}, [], partial, set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -304,11 +310,15 @@ class ReloadReport(logging.Filter):
         msg = str(record.msg)
         if msg.endswith("Failed to load weights") and record.args:
             layer = str(record.args[0] if isinstance(record.args, tuple) else record.args)
-            if layer in self.benign:
+            if layer in self.benign or self.partial:
                 self.kept[layer] = self.kept.get(layer, 0) + 1
                 return False
             self.failed.append(f"{layer}: nothing loaded")
         elif msg.startswith("Following weights were not loaded"):
+            if isinstance(record.args, tuple) and record.args and isinstance(record.args[0], (set, frozenset)):
+                self.not_loaded = {str(n) for n in record.args[0]}
+            if self.partial:
+                return False  # the delta checks these against what it fed
             self.failed.append(record.getMessage())
         return True
 
@@ -343,33 +353,6 @@ def watch_reload_log(model: Any = None) -> ReloadReport:
         logging.getLogger(_LAYERWISE_LOGGER).addFilter(_REPORT)
         logging.getLogger(_INPLACE_LOGGER).addFilter(_REPORT)
     return _REPORT
-
-
-# ------------------------------------------------------------------------------------------ test-only fault hook
-
-# TEST ONLY. When the environment names a file in TITO_TEST_FAULT_FILE, each weight load consumes it (reads, then
-# deletes it): "read:N" makes the Nth tensor read raise an I/O error, "shape:N" hands vLLM's loader a wrong-shaped
-# Nth tensor (its loader raises mid-load), "skip:NAME" silently drops tensor NAME (the layer then loads nothing).
-FAULT_ENV = "TITO_TEST_FAULT_FILE"
-
-
-def _inject_fault(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    path = os.environ.get(FAULT_ENV)
-    spec = ""
-    if path and os.path.exists(path):
-        with open(path) as f:
-            spec = f.read().strip()
-        os.unlink(path)
-        log.warning("TEST fault injection active for this load: %s", spec)
-    kind, _, arg = spec.partition(":")
-    for i, (name, t) in enumerate(items, start=1):
-        if kind == "read" and i == int(arg):
-            raise OSError(5, f"Input/output error (injected) reading tensor {name!r}")
-        if kind == "shape" and i == int(arg):
-            t = t[:-1]
-        if kind == "skip" and name == arg:
-            continue
-        yield name, t
 
 
 def _skip_buffers(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

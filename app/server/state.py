@@ -19,6 +19,7 @@ from app.engine.adapter import Engine, EngineDead, EngineRejected, ModelFacts
 from app.engine.sampling import Limits, min_tokens_refusal
 from app.server.control import ControlPlane
 from app.weights.lora import LoraEntry, LoraManager
+from app.weights.staging import StagingManager
 from app.weights.updates import WeightManager
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ class AppState:
                                     inflight=lambda: self.inflight)
         # Pause/resume/update transitions: one at a time, in arrival order (app/server/control.py).
         self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)
+        # Staged versions (Prime-RL's stage/commit): a commit is an update, in the control plane's order.
+        self.staging = StagingManager(self.engine, self.settings, self.weights, self.control.guard)
 
     @property
     def weight_version(self) -> str:

@@ -272,6 +272,9 @@ class WeightManager:
         self._native_done = asyncio.Event()
         self._native_done.set()
         self._expected: dict[str, TensorInfo] | None = None
+        # Where the served weights came from: {"kind": "base"} (the model's own checkpoint), a checkpoint's files,
+        # a delta commit, or None (a broadcast or native transfer: no copy on disk). Staged deltas need it.
+        self.origin: dict[str, Any] | None = {"kind": "base"}
 
     async def expected(self) -> dict[str, TensorInfo]:
         """The served model's own tensors (names, shapes, dtypes), read once from its checkpoint headers."""
@@ -369,7 +372,7 @@ class WeightManager:
             return outcome
 
     async def apply(self, source: str, load: Callable[[], Awaitable[list[Any] | None]], version: str, nbytes: int,
-                    what: str = "loading weights") -> UpdateOutcome:
+                    what: str = "loading weights", origin: dict[str, Any] | None = None) -> UpdateOutcome:
         """Pause (``wait``) unless already paused, load, set the version, reset the prefix cache, resume.
 
         ``load`` raises the engine's own exception; a failure whose message lacks ``UNTOUCHED`` may have changed
@@ -401,6 +404,7 @@ class WeightManager:
             log_kept(results)
             await eng.set_weight_version(version)
             self.version = version
+            self.origin = origin
             # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
             if not await eng.reset_prefix_cache(reset_running_requests=True):
                 log.warning("prefix cache could not be fully reset after the weight update")
@@ -456,6 +460,7 @@ class WeightManager:
                 raise err from None
             if step == "finish" or (step == "update" and self.native_since is None):
                 self._close_native()
+                self.origin = None
                 if version is not None:
                     self.version = version
                     metrics.WEIGHT_VERSION.info({"version": version})

@@ -1,0 +1,206 @@
+"""Unit tests of the sparse delta codec (app/delta_format.py) against tito's independent test encoder
+(tests/delta_encoder.py): both containers, both index encodings, widened values, and every malformed input the
+decoder must refuse with a message naming the tensor. No engine."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from app.engine.delta_format import (
+    DeltaFormatError,
+    StreamWriter,
+    apply_to,
+    check_against,
+    decode_varint_gaps,
+    iter_delta,
+    iter_stream,
+    resolve_artifact,
+)
+from tests.delta_encoder import changed, perturb, varint_gaps, write_delta
+
+META = {"prime_rl_delta_format": "sparse_delta_v2", "prime_rl_delta_layout": "huggingface"}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()])
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 48, generator=g), "b.weight": torch.randn(300, generator=g).to(torch.bfloat16),
+            "c.weight": torch.randn(17, 5, generator=g).to(torch.float16),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(40, 8, generator=g).to(torch.bfloat16),
+            "d.count": torch.arange(50, dtype=torch.int64)}
+
+
+def _apply(base: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    got = {k: v.clone() for k, v in base.items()}
+    for rec in iter_delta(path):
+        apply_to(got[rec.name].view(-1), rec)
+    return got
+
+
+def test_varint_round_trip_including_large_gaps() -> None:
+    idx = torch.tensor([0, 1, 5, 127, 128, 300, 16383, 16384, 2**31 + 7, 2**40])
+    raw = np.frombuffer(varint_gaps(idx), dtype=np.uint8).copy()
+    assert decode_varint_gaps(raw, idx.numel(), 2**41, "t").tolist() == idx.tolist()
+
+
+@pytest.mark.parametrize("container", ["delta.stream", "delta.safetensors"])
+@pytest.mark.parametrize("encoding", ["optimized", "naive"])
+def test_round_trip_is_bitwise_exact(tmp_path: Path, container: str, encoding: str) -> None:
+    base = _state()
+    target = perturb({k: v for k, v in base.items() if v.dtype.is_floating_point}, 0.05, 3, scale=0.01)
+    target["d.count"] = base["d.count"] + (torch.arange(50) % 7 == 0).long()
+    path = write_delta(tmp_path / container, base, target, encoding)
+    got = _apply(base, path)
+    for k in target:
+        assert torch.equal(_bits(got[k]), _bits(target[k])), k
+
+
+@pytest.mark.parametrize("dtype,wide", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                        (torch.float32, torch.float64)])
+def test_values_are_widened_where_the_dtype_cannot_carry_them(tmp_path: Path, dtype: torch.dtype,
+                                                              wide: torch.dtype) -> None:
+    """target - base of very different magnitudes rounds in the tensor's dtype: adding it back misses the target."""
+    big = 4000.0 if dtype != torch.float32 else 1e8
+    base = {"w": torch.tensor([big, 1.0, 3.0, 7.0], dtype=torch.float64).to(dtype)}
+    target = {"w": torch.tensor([0.5, 1.0, 3.5, 7.0], dtype=torch.float64).to(dtype)}
+    (_, vals), = changed(base, target).values()
+    assert vals.dtype == wide
+    for name in ("delta.stream", "delta.safetensors"):
+        got = _apply(base, write_delta(tmp_path / name, base, target))
+        assert torch.equal(_bits(got["w"]), _bits(target["w"]))
+
+
+def test_stream_writer_round_trip_and_headers_only(tmp_path: Path) -> None:
+    base = _state()
+    target = perturb(base, 0.1, 4)
+    src = write_delta(tmp_path / "delta.safetensors", base, target)
+    with StreamWriter(tmp_path / "prepared.stream") as w:
+        for rec in iter_delta(src):
+            w.write(rec)
+    got = _apply(base, tmp_path / "prepared.stream")
+    assert all(torch.equal(_bits(got[k]), _bits(target[k])) for k in target)
+    heads = list(iter_stream(tmp_path / "prepared.stream", headers_only=True))
+    assert {h.name for h in heads} == set(changed(base, target)) and all(h.indices.numel() == 0 for h in heads)
+
+
+def test_empty_delta_is_valid(tmp_path: Path) -> None:
+    base = _state()
+    for name in ("delta.stream", "delta.safetensors"):
+        assert list(iter_delta(write_delta(tmp_path / name, base, base))) == []
+
+
+def test_raw_indices_unsorted_are_sorted_with_their_values(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    save_file({"a.__idx": torch.tensor([5, 1, 3], dtype=torch.int32), "a.__val": torch.tensor([50.0, 10.0, 30.0])},
+              str(path), metadata={**META, "prime_rl_delta_shapes": json.dumps({"a": [8]})})
+    (rec,) = list(iter_delta(path))
+    assert rec.indices.tolist() == [1, 3, 5] and rec.values.tolist() == [10.0, 30.0, 50.0]
+
+
+def _st(path: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]] | None = None,
+        meta: dict[str, str] | None = None) -> Path:
+    m = {**META, "prime_rl_delta_shapes": json.dumps(shapes or {"a": [8]}), **(meta or {})}
+    save_file(tensors, str(path), metadata=m)
+    return path
+
+
+BAD_ST = {
+    "duplicate raw index": ({"a.__idx": torch.tensor([1, 1], dtype=torch.int32), "a.__val": torch.ones(2)}, None,
+                            None, "repeated index"),
+    "index out of range": ({"a.__idx": torch.tensor([8], dtype=torch.int64), "a.__val": torch.ones(1)}, None, None,
+                           "out of range"),
+    "negative index": ({"a.__idx": torch.tensor([-1], dtype=torch.int32), "a.__val": torch.ones(1)}, None, None,
+                       "out of range"),
+    "count mismatch": ({"a.__idx": torch.tensor([1, 2], dtype=torch.int32), "a.__val": torch.ones(3)}, None, None,
+                       "index bytes"),
+    "varint zero gap": ({"a.__idx": torch.tensor([1, 0], dtype=torch.uint8), "a.__val": torch.ones(2)}, None, None,
+                        "repeated index"),
+    "varint truncated": ({"a.__idx": torch.tensor([0x81], dtype=torch.uint8), "a.__val": torch.ones(1)}, None,
+                         None, "complete values"),
+    "missing pair": ({"a.__idx": torch.tensor([1], dtype=torch.int32)}, None, None, "without their pair"),
+    "stray tensor": ({"a.__idx": torch.tensor([1], dtype=torch.int32), "a.__val": torch.ones(1), "x": torch.ones(1)},
+                     None, None, "neither"),
+    "no shape": ({"b.__idx": torch.tensor([1], dtype=torch.int32), "b.__val": torch.ones(1)}, None, None,
+                 "no shape"),
+    "wrong format": ({"a.__idx": torch.tensor([1], dtype=torch.int32), "a.__val": torch.ones(1)}, None,
+                     {"prime_rl_delta_format": "sparse_delta_v1"}, "expected 'sparse_delta_v2'"),
+    "fused layout": ({"a.__idx": torch.tensor([1], dtype=torch.int32), "a.__val": torch.ones(1)}, None,
+                     {"prime_rl_delta_layout": "vllm"}, "only 'huggingface'"),
+    "float index": ({"a.__idx": torch.tensor([1.0]), "a.__val": torch.ones(1)}, None, None, "index dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ST))
+def test_malformed_safetensors_delta_is_refused(tmp_path: Path, case: str) -> None:
+    tensors, shapes, meta, words = BAD_ST[case]
+    with pytest.raises(DeltaFormatError, match=words):
+        list(iter_delta(_st(tmp_path / "d.safetensors", tensors, shapes, meta)))
+
+
+def _stream(path: Path, *records: bytes, version: int = 2, magic: bytes = b"PDELSTRM") -> Path:
+    path.write_bytes(struct.pack("<8sI", magic, version) + b"".join(records))
+    return path
+
+
+def _rec(name: str = "a", fmt: int = 1, code: int = 3, shape: tuple[int, ...] = (8,), idx: bytes = b"",
+         vals: bytes = b"", count: int | None = None) -> bytes:
+    n = name.encode()
+    head = struct.pack("<IBBHQQ", len(n), fmt, code, len(shape), len(idx),
+                       count if count is not None else len(vals) // {3: 4, 2: 2}.get(code, 4))
+    return head + n + struct.pack(f"<{len(shape)}Q", *shape) + idx + vals
+
+
+ONE = struct.pack("<i", 2)
+F1 = struct.pack("<f", 1.0)
+BAD_STREAM = {
+    "bad magic": (lambda p: _stream(p, magic=b"NOTDELTA"), "not a readable safetensors file"),
+    "version 1": (lambda p: _stream(p, version=1), "version 1"),
+    "truncated header": (lambda p: _stream(p, _rec(idx=ONE, vals=F1)[:10]), "truncated in a record header"),
+    "truncated data": (lambda p: _stream(p, _rec(idx=ONE, vals=F1)[:-2]), "claims"),
+    "unknown dtype": (lambda p: _stream(p, _rec(code=99, idx=ONE, vals=F1, count=1)), "dtype code 99"),
+    "unknown index format": (lambda p: _stream(p, _rec(fmt=7, idx=ONE, vals=F1)), "index format 7"),
+    "duplicate record": (lambda p: _stream(p, _rec(idx=ONE, vals=F1), _rec(idx=ONE, vals=F1)), "twice"),
+    "index out of range": (lambda p: _stream(p, _rec(idx=struct.pack("<i", 8), vals=F1)), "out of range"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STREAM))
+def test_malformed_stream_delta_is_refused(tmp_path: Path, case: str) -> None:
+    make, words = BAD_STREAM[case]
+    with pytest.raises(DeltaFormatError, match=words):
+        list(iter_delta(make(tmp_path / "delta.stream")))
+
+
+def test_stream_reader_checks_the_magic(tmp_path: Path) -> None:
+    with pytest.raises(DeltaFormatError, match="bad magic"):
+        list(iter_stream(_stream(tmp_path / "x", magic=b"NOTDELTA")))
+
+
+def test_check_against_model_shape_and_dtype(tmp_path: Path) -> None:
+    (rec,) = list(iter_delta(_stream(tmp_path / "delta.stream", _rec(idx=ONE, vals=F1))))
+    check_against(rec, (8,), "F32")
+    check_against(rec, (8,), "BF16")  # float32 values widened for a bf16 tensor
+    with pytest.raises(DeltaFormatError, match="shape mismatch"):
+        check_against(rec, (2, 4), "F32")
+    with pytest.raises(DeltaFormatError, match="cannot be added to a I64"):
+        check_against(rec, (8,), "I64")
+
+
+def test_resolve_artifact_prefers_the_stream(tmp_path: Path) -> None:
+    (tmp_path / "delta.safetensors").write_bytes(b"x")
+    assert resolve_artifact(tmp_path).name == "delta.safetensors"
+    (tmp_path / "delta.stream").write_bytes(b"x")
+    assert resolve_artifact(tmp_path).name == "delta.stream"
+    with pytest.raises(FileNotFoundError):
+        resolve_artifact(tmp_path / "nothing")
