@@ -4,7 +4,6 @@ discovery, TCP request plane, ZMQ event plane, everything on loopback)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import socket
 import sys
@@ -18,6 +17,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from app.dynamo.sidecar import dynamo_available  # noqa: F401 - the test modules' skip condition
 from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
 from app.grpc.proto import vllm_inference_pb2 as ipb
 from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
@@ -27,15 +27,6 @@ MODEL = "tiny"  # the replicas' --served-model-name
 BLOCK = 32  # their KV block size: a few blocks of prompt publish KV events
 NS = "titosidecar"
 FINISH = ipb.FinishInfo.FinishReason
-
-
-def dynamo_available() -> bool:
-    """Dynamo's sidecar and frontend (``ai-dynamo`` + ``ai-dynamo-runtime``: ``make test`` installs them)."""
-    try:
-        return importlib.util.find_spec("dynamo._core") is not None and \
-            importlib.util.find_spec("dynamo.vllm") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def grpc_port(server: ServerProcess) -> int:
