@@ -10,9 +10,11 @@ machine falls on both. Measured per step:
 
 - the pause, from the client (pause sent -> resume answered), and the server's CPU seconds in it (API + engine);
 - for deltas, generation throughput during the stage call against the 1.5 s before it: tokens/s as the clients
-  received them, and as the engine counted them (``vllm:generation_tokens_total``).
-  A block's first stage also fills the workers' copy of the active weights in the background: it is left out of the
-  throughput figures (its commit waits for the copy, and is left out of the pause figures too).
+  received them, and as the engine counted them (``vllm:generation_tokens_total``). A delta's stage answers once the
+  workers have made it ready for its commit (on CPU: added to their copy and the touched layers processed ahead,
+  app/engine/worker_prebuild.py; at most ``--stage-ready-wait``), and the commit follows at once, as Prime-RL's
+  orchestrator does.
+  A block's first stage also fills the workers' copy of the active weights: it is left out of the figures.
 
 Goals: commit pause <= 0.5 x the full update's; throughput while staging >= 0.9 x without.
 
@@ -109,17 +111,6 @@ def generated(c: httpx.Client) -> float:
     return metric_value(c.get("/metrics").text, "vllm:generation_tokens_total") or 0.0
 
 
-def wait_copy(c: httpx.Client, version: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        ws = c.get("/weight_status").json()["workers"]
-        if ws and all(w.get("state") == "ready" and w.get("version") == version for w in ws):
-            return
-        assert time.monotonic() < deadline, ws
-        assert not any(w.get("state") == "error" for w in ws), ws
-        time.sleep(0.1)
-
-
 def paused(c: httpx.Client, pid: int, call: Any) -> dict[str, Any]:
     """pause (keep) -> ``call()`` -> resume, timed from the client, with the server's CPU seconds."""
     from scripts.bench_weights import tree_cpu_s
@@ -155,20 +146,25 @@ def run(work: Path, repeat: int, blocks: int, streams: int, transport: str, frac
                     cpu_b, gen_b, t_b = tree_cpu_s(tito.pid), generated(c), time.monotonic()
                     time.sleep(1.5)
                     cpu0, gen0, t0 = tree_cpu_s(tito.pid), generated(c), time.monotonic()
-                    asyncio.run(_stage(tito.server.url, d, version, active, transport))
+                    # The stage answers once the workers have made the delta ready for its commit (CPU: its
+                    # layers processed), at most --stage-ready-wait; Prime-RL commits as soon as it answers.
+                    staged = asyncio.run(_stage(tito.server.url, d, version, active, transport))
                     t1, cpu1, gen1 = time.monotonic(), tree_cpu_s(tito.pid), generated(c)
-                    row = {"step": k, "first_in_block": j == 0, "stage_s": t1 - t0,
+                    prep = (c.get("/weight_status").json()["workers"][0].get("pending") or {})
+                    row = {"step": k, "first_in_block": j == 0, "stage_s": t1 - t0, "ready": staged.get("ready"),
+                           "prepare": prep,
                            "rate_before": load.rate(t0 - 1.5, t0), "rate_staging": load.rate(t0, t1),
                            "engine_rate_before": (gen0 - gen_b) / (t0 - t_b),
                            "engine_rate_staging": (gen1 - gen0) / (t1 - t0),
                            "cpu_rate_before": (cpu0 - cpu_b) / 1.5, "cpu_rate_staging": (cpu1 - cpu0) / (t1 - t0)}
-                    wait_copy(c, active)
                     row.update(paused(c, tito.pid, lambda v=version: c.post("/commit",
                                                                            data={"version": v, "mode": "delta"})))
                     deltas.append(row)
                     active = version
-                    print(f"delta {k}: stage {row['stage_s']:.3f}s ({row['rate_staging']:.0f} vs "
-                          f"{row['rate_before']:.0f} tok/s), pause {row['pause_s']:.3f}s, cpu {row['cpu_s']:.2f}s")
+                    print(f"delta {k}: stage {row['stage_s']:.3f}s (ready: {row['ready']}, "
+                          f"{prep.get('prebuilt')} layers processed, preparing took {prep.get('cpu_seconds')} "
+                          f"CPU s; {row['rate_staging']:.0f} vs {row['rate_before']:.0f} tok/s), "
+                          f"pause {row['pause_s']:.3f}s, cpu {row['cpu_s']:.2f}s")
                 for _ in range(repeat):
                     k, d = next(it)
                     version = f"f{k}"
@@ -188,7 +184,8 @@ def run(work: Path, repeat: int, blocks: int, streams: int, transport: str, frac
             "delta_cpu_s": med(r["cpu_s"] for r in timed), "full_cpu_s": med(r["cpu_s"] for r in fulls),
             "pause_ratio": med(r["pause_s"] for r in timed) / med(r["pause_s"] for r in fulls),
             "cpu_ratio": med(r["cpu_s"] for r in timed) / med(r["cpu_s"] for r in fulls),
-            "staging_s": med(r["stage_s"] for r in timed),
+            "staging_s": med(r["stage_s"] for r in timed), "ready": sum(bool(r["ready"]) for r in timed),
+            "timed": len(timed), "prebuilt": med(float(r["prepare"].get("prebuilt") or 0) for r in timed),
             "throughput_ratio": med(r["rate_staging"] / r["rate_before"] for r in timed if r["rate_before"]),
             "engine_throughput_ratio": med(r["engine_rate_staging"] / r["engine_rate_before"] for r in timed
                                            if r["engine_rate_before"]),
@@ -197,11 +194,12 @@ def run(work: Path, repeat: int, blocks: int, streams: int, transport: str, frac
             "commit_inplace_s": med(float(r["answer"].get("seconds", 0)) for r in timed)}
 
 
-async def _stage(url: str, d: Path, version: str, base: str, transport: str) -> None:
+async def _stage(url: str, d: Path, version: str, base: str, transport: str) -> dict[str, Any]:
     from tests import prime_stage_client as prime
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-        await prime.stage(c, d, version, base, transport, chunk_size=16 << 20, streams=2)  # Prime's default chunk
+        # Prime-RL's default chunk size
+        return await prime.stage(c, d, version, base, transport, chunk_size=16 << 20, streams=2)
 
 
 def report(res: dict[str, Any]) -> None:
@@ -214,6 +212,8 @@ def report(res: dict[str, Any]) -> None:
     print(f"commit / full: pause {res['pause_ratio']:.2f}, CPU {res['cpu_ratio']:.2f} (goal <= 0.5)")
     print(f"generation while staging: {res['throughput_ratio']:.2f} x the 1.5 s before as the clients received it, "
           f"{res['engine_throughput_ratio']:.2f} x as the engine counted it (medians; goal >= 0.9); a stage took "
-          f"{res['staging_s']:.3f}s (median); {res['load_errors']} load errors")
+          f"{res['staging_s']:.3f}s (median; it answers once the workers have the delta ready for its commit: "
+          f"{res['ready']} of {res['timed']} were, {res['prebuilt']:.0f} layers processed ahead); "
+          f"{res['load_errors']} load errors")
     print(f"server CPU (cores busy): {res['server_cpu_rate_before']:.2f} before, {res['server_cpu_rate_staging']:.2f} "
           "while staging")

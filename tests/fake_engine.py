@@ -67,6 +67,8 @@ class FakeEngine:
     delta_fail: BaseException | None = None  # raised by the next delta_commit (after "changing" the model)
     delta_delay: float = 0.0  # seconds each delta_commit takes
     _delta_version: str | None = None  # the version the "workers' copy" holds
+    delta_ready_after: int | None = None  # a staged delta is "made ready" after this many status looks (None: never)
+    _pending: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -173,16 +175,25 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ weights and facts (recorded; no model here)
 
-    async def delta_prepare(self, version: str, files: list[str] | None) -> list[Any]:
-        self.calls.append(("delta_prepare", {"version": version, "files": files}))
+    async def delta_prepare(self, version: str, files: list[str] | None,
+                            delta: dict[str, str] | None = None) -> list[Any]:
+        self.calls.append(("delta_prepare", {"version": version, "files": files, "delta": delta}))
         held = self._delta_version
         if files is None and held != version:
             return [{"state": "missing", "version": held}]
         self._delta_version = version
+        if delta is not None and self.delta_ready_after is not None:
+            self._pending = {"version": delta["version"], "state": "preparing", "looks": self.delta_ready_after}
         return [{"state": "ready", "version": version}]
 
     async def delta_status(self) -> list[Any]:
-        return [{"state": "ready" if self._delta_version else "empty", "version": self._delta_version}]
+        p = self._pending
+        if p is not None:
+            p["looks"] -= 1
+            if p["looks"] <= 0:
+                p["state"] = "ready"
+        return [{"state": "ready" if self._delta_version else "empty", "version": self._delta_version,
+                 "pending": None if p is None else {"version": p["version"], "state": p["state"]}}]
 
     async def delta_layout(self, shapes: dict[str, list[int]]) -> list[Any]:
         return [{n: {"param": n, "shard": None, "shape": s, "inplace": False, "runs": None} for n, s in shapes.items()}]

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from app.engine.delta_format import (
     DeltaFormatError,
+    DeltaRecord,
     StreamWriter,
     apply_to,
     check_against,
@@ -204,3 +205,25 @@ def test_resolve_artifact_prefers_the_stream(tmp_path: Path) -> None:
     assert resolve_artifact(tmp_path).name == "delta.stream"
     with pytest.raises(FileNotFoundError):
         resolve_artifact(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_delta_made_ready_is_taken_back_out_bit_for_bit(dtype: torch.dtype) -> None:
+    """The workers add a staged delta to their copy before the commit (app/engine/worker_delta.py); when another
+    version is committed instead, the copy goes back to its base exactly, whatever rounding the addition did."""
+    from app.engine.worker_delta import DeltaCache, apply_undoable, undo
+    from app.engine.worker_prebuild import Pending
+
+    g = torch.Generator().manual_seed(5)
+    base = {"a": torch.randn(64, 32, generator=g).to(dtype), "b": torch.randn(100, generator=g).to(dtype)}
+    c = DeltaCache(version="base", tensors={k: v.clone() for k, v in base.items()}, ready=True)
+    p = Pending("v1", "base", "unused")
+    for name, t in base.items():
+        idx = torch.randperm(t.numel(), generator=g)[: t.numel() // 7].sort().values
+        rec = DeltaRecord(name, tuple(t.shape), idx, torch.randn(idx.numel(), generator=g) * 1e-3)
+        p.undo.append((name, idx, apply_undoable(c.tensors[name].view(-1), rec)))
+        assert not torch.equal(c.tensors[name], t)
+    undo(c, p)
+    for name, t in base.items():
+        assert torch.equal(c.tensors[name].view(torch.int8), t.view(torch.int8)), name
+    assert p.undo == [] and p.prebuilt == {}

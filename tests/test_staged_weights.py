@@ -6,6 +6,7 @@ that fails halfway (weights inconsistent until /reload_weights)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -88,6 +89,10 @@ def test_prime_stage_commit_over_every_transport(client: httpx.Client, server: S
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["active_version"] == version and body["mode"] == "delta" and body["noop"] is False
+        # Made ready before the pause (app/engine/worker_prebuild.py): the commit swapped the processed linear
+        # layers in and wrote norms and the embedding in place; nothing was reloaded under the pause.
+        w = body["workers"]
+        assert w["prepared"] is True and w["prebuilt"] > 0 and w["reloaded_groups"] == 0, w
         assert client.get("/is_paused").json() == {"is_paused": False}
         bg.wait_tokens(len(bg.tokens) + 16)  # and went on after the commit, on the new weights
         bg.abort(client)
@@ -149,7 +154,7 @@ def test_hf_tensors_map_onto_vllms_fused_parameters(server: ServerProcess) -> No
     q, kv, gu = nh * hd * h, nkv * hd * h, inter * h
     assert got["model.layers.0.self_attn.q_proj.weight"] == {
         "param": "model.layers.0.self_attn.qkv_proj.weight", "shard": "q", "shape": [(nh + 2 * nkv) * hd, h],
-        "inplace": False, "runs": [[0, 0, q]]}  # CPU: re-packed for oneDNN, reloaded
+        "inplace": False, "runs": [[0, 0, q]]}  # CPU: re-packed for oneDNN, processed ahead of the commit
     assert got["model.layers.0.self_attn.k_proj.weight"]["runs"] == [[0, q, kv]]
     assert got["model.layers.0.self_attn.v_proj.weight"]["runs"] == [[0, q + kv, kv]]
     assert got["model.layers.1.mlp.gate_proj.weight"]["shard"] == 0
@@ -216,16 +221,69 @@ def test_contract_refusals_leave_the_model_untouched(client: httpx.Client, serve
     assert greedy(client) == before and client.get("/weight_info").json() == {"weight_version": "0"}
 
 
+def test_a_superseded_stage_is_taken_back_out_of_the_copy(client: httpx.Client, server: ServerProcess,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two deltas staged on the same base: the workers made the first ready (added to their copy, layers processed),
+    then the second replaced it (the first taken back out). Committing the first anyway applies it under the pause
+    from a copy that must be back at the base; the delta after it is made ready again. Each answers as transformers
+    on its target weights (tokens, and logprobs to 1e-4): a copy left with the other delta's elements would not."""
+    from tests.reference import Reference
+
+    def matches(sd: dict[str, torch.Tensor], name: str) -> list[float]:
+        ref = Reference(write_step(root / name, {k: v.float() for k, v in sd.items()}, config=True))
+        want = ref.greedy([3, 1, 4, 1, 5], 12)
+        got = greedy_answer(client)
+        assert got["tokens"] == want[0], name
+        assert got["logprobs"] == pytest.approx(want[1], abs=1e-4), name
+        return want[1]
+
+    assert client.post("/reload_weights").status_code == 200
+    root = tmp_path_factory.mktemp("superseded")
+    base_sd = tiny_state_dict()
+    a, b = perturb(base_sd, 0.02, 71), perturb(base_sd, 0.02, 72)
+    deltas = {"A": write_delta(root / "A" / "delta.stream", base_sd, a),
+              "B": write_delta(root / "B" / "delta.stream", base_sd, b),
+              "C": write_delta(root / "C" / "delta.stream", a, b)}
+
+    def stage(version: str, base: str) -> None:
+        r = client.post("/stage", data={"version": version, "mode": "delta", "base_version": base,
+                                        "path": str(deltas[version])}, timeout=300)
+        assert r.status_code == 200, r.text
+
+    def ready(version: str) -> dict[str, Any]:
+        for _ in range(600):
+            (w,) = client.get("/weight_status").json()["workers"]
+            if (w.get("pending") or {}).get("version") == version and w["pending"]["state"] != "preparing":
+                return w["pending"]
+            time.sleep(0.1)
+        raise AssertionError(w)
+
+    stage("A", "base")
+    assert ready("A")["state"] == "ready"
+    stage("B", "base")
+    assert ready("B")["state"] == "ready"
+    r = run(server.url, lambda c: prime.commit(c, "A"))
+    assert r.status_code == 200 and r.json()["workers"]["prepared"] is False, r.text
+    lp_a = matches(a, "ref-A")
+    stage("C", "A")
+    r = run(server.url, lambda c: prime.commit(c, "C"))
+    assert r.status_code == 200 and r.json()["workers"]["prepared"] is True, r.text
+    lp_b = matches(b, "ref-B")
+    assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) > 1e-3  # the two targets tell apart
+
+
 def test_a_commit_failing_halfway_leaves_the_weights_inconsistent(client: httpx.Client, server: ServerProcess,
                                                                   chain: list[tuple[Path, dict[str, Any]]],
                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     assert client.post("/reload_weights").status_code == 200
     base_answer = greedy(client)
     stage = {"version": "1", "mode": "delta", "base_version": "base", "path": str(chain[0][0])}
-    # A failure before the model changes (tito's prepared copy of the delta damaged on disk): 500, still consistent.
+    # A failure before the model changes (tito's prepared copy of the delta damaged on disk, and another delta made
+    # ready since, so the commit reads it again): 500, still consistent.
     assert client.post("/stage", data=stage).status_code == 200
     staging = Path(client.get("/server_info").json()["state"]["staging"]["directory"])
     (prepared,) = staging.glob("versions/*/prepared.stream")
+    assert client.post("/stage", data={**stage, "version": "1b"}).status_code == 200
     prepared.write_bytes(prepared.read_bytes()[:-100])
     r = run(server.url, lambda c: prime.commit(c, "1"))
     assert r.status_code == 500 and "unreadable" in r.text, r.text

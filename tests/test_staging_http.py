@@ -79,13 +79,17 @@ async def test_prime_sequence_over_each_transport(model_dir: Path, root: Path, s
         # The workers were asked to fill their copy of the base from the model's own checkpoint.
         assert _calls(eng, "delta_prepare")[-1]["version"] == "base"
         assert _calls(eng, "delta_prepare")[-1]["files"] == [str(model_dir / "model.safetensors")]
+        # ... and to make the staged delta ready for its commit, from tito's prepared form of it.
+        ahead = _calls(eng, "delta_prepare")[-1]["delta"]
+        assert ahead["version"] == "1" and ahead["path"].endswith("prepared.stream"), ahead
         r = await prime.commit(c, "1")
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "ok" and r.json()["active_version"] == "1" and r.json()["mode"] == "delta"
         assert _calls(eng, "delta_commit")[-1]["base"] == "base"
         # Chained: the next delta builds on "1", from the workers' copy (no files).
         await prime.stage(c, steps["step_2"], "2", "1", transport, chunk_size=8192)
-        assert _calls(eng, "delta_prepare")[-1] == {"version": "1", "files": None}
+        assert {k: v for k, v in _calls(eng, "delta_prepare")[-1].items() if k != "delta"} == \
+            {"version": "1", "files": None}
         assert (await prime.commit(c, "2")).json()["active_version"] == "2"
         status = (await c.get("/weight_status")).json()
         assert status["active_version"] == "2" and status["weights_dirty"] is False and status["staged"] == []
@@ -368,3 +372,22 @@ async def test_stage_timeout_bounds_the_check_and_the_apply(model_dir: Path, roo
         assert (await c.get("/weight_status")).json()["weights_dirty"] is True
         assert (await c.post("/reload_weights")).status_code == 200
         assert (await c.get("/weight_status")).json()["weights_dirty"] is False
+
+
+async def test_a_delta_stage_answers_once_the_workers_made_it_ready(model_dir: Path, root: Path,
+                                                                   steps: dict[str, Path]) -> None:
+    """The stage answer waits for the workers' preparation (Prime-RL commits as soon as it answers), bounded by
+    --stage-ready-wait: past it the answer says not ready and the version is staged all the same."""
+    async with serve(model_dir, root, engine=FakeEngine(delta_ready_after=3)) as (c, eng):
+        r = await c.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base",
+                                         "path": str(steps["step_1"])})
+        assert r.status_code == 200 and r.json()["ready"] is True, r.text
+        assert eng._pending is not None and eng._pending["looks"] == 0  # it looked until the workers were ready
+    async with serve(model_dir, root, engine=FakeEngine(delta_ready_after=10**9), stage_ready_wait=0.3) as (c, eng):
+        t0 = asyncio.get_running_loop().time()
+        r = await c.post("/stage", data={"version": "1", "mode": "delta", "base_version": "base",
+                                         "path": str(steps["step_1"])})
+        waited = asyncio.get_running_loop().time() - t0
+        assert r.status_code == 200 and r.json()["ready"] is False and 0.3 <= waited < 10, (r.text, waited)
+        assert [e["version"] for e in (await c.get("/weight_status")).json()["staged"]] == ["1"]
+        assert (await prime.commit(c, "1")).json()["active_version"] == "1"

@@ -84,6 +84,10 @@ class Settings:
     max_staged_versions: int = flag(2, "Staged versions kept on disk (staging another drops the oldest); uploads in "
                                     "progress: twice that, at least 4.")
     max_stage_bytes: int = flag(16 * 1024**3, "Largest staged upload (a file, or the total of its chunks): 413 beyond.")
+    stage_ready_wait: float = flag(30.0, "Seconds a delta's stage call may wait, after its check, for the workers to "
+                                   "make it ready for its commit (CPU: its layers processed while generating); past "
+                                   "it the stage answers `ready: false` and the commit finishes the work under the "
+                                   "pause. 0: answer at once.")
     stage_timeout: float = flag(600.0, "Seconds a stage's check of a delta, or a commit's apply in the workers, may "
                                 "take: 504 beyond (a commit that timed out leaves the weights inconsistent).")
     # --- security

@@ -5,5 +5,6 @@ processes (``worker``, its staged-delta half ``worker_delta``, with the ``weight
 ``delta_format`` it shares with the server, and ``safe_pickle``).
 
 Imports: ``app.core``; the only package that imports vLLM. ``worker`` must stay importable in a freshly spawned
-process: it and ``worker_delta`` import nothing of tito but these neighbours, and this file imports nothing.
+process: it, ``worker_delta``, ``worker_prebuild`` and ``weight_layout`` import nothing of tito but these
+neighbours, and this file imports nothing.
 """

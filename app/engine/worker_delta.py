@@ -11,11 +11,13 @@ engine keeps generating). A commit (``tito_delta_commit``, under the pause) then
 3. reloads every other touched layer through vLLM's layerwise reload, fed from the cached copy (no disk read):
    vLLM re-runs that layer's processing (on CPU: the oneDNN re-pack), and leaves the layers it is not fed as they are.
 
-Where in place is exact (``_inplace_ok``, read from vLLM 0.32's source): norms everywhere (their forward reads the
+Where in place is exact (``inplace_ok``, read from vLLM 0.32's source): norms everywhere (their forward reads the
 weight); on CUDA also unquantized linear layers and embeddings (processing after loading is a no-op there); on CPU
 the input embedding unless its weight is shared (tied) with the LM head. On CPU every linear layer and the LM head
 are re-packed for oneDNN when loaded (``dispatch_cpu_unquantized_gemm`` drops the weight and keeps a packed copy),
-so an edit of ``param.data`` would never reach the kernel: those go through the reload.
+so an edit of ``param.data`` would never reach the kernel: those are made ready before the pause instead
+(app/engine/worker_prebuild.py: a stage hands the workers its delta, a background thread adds it to the copy and runs
+vLLM's processing on shadows of the touched layers; the commit swaps the processed state in), else reloaded.
 
 The copy costs one checkpoint's worth of host memory per worker; any other load (disk, broadcast) drops it.
 """
@@ -23,7 +25,6 @@ The copy costs one checkpoint's worth of host memory per worker; any other load 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -31,19 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.engine.weight_markers import BUFFER_SUFFIXES, UNTOUCHED, inject_fault
+from app.engine.weight_layout import (
+    InPlace,
+    inplace_ok,
+    layout_plans,
+    locate,
+    shared_params,
+    trace_param,
+    write_inplace,
+)
+from app.engine.weight_markers import BUFFER_SUFFIXES, UNTOUCHED, inject_fault, lower_priority
+from app.engine.worker_prebuild import Pending, prebuild_ok, swap_in, timed_build
 
 log = logging.getLogger("tito.worker.delta")
-
-
-@dataclass
-class InPlace:
-    """Where one HF tensor's elements live in a vLLM parameter: runs of consecutive elements, sorted by HF index."""
-
-    param: Any  # the live torch parameter
-    hf_start: Any  # int64 tensors, one entry per run
-    p_start: Any
-    length: Any
 
 
 @dataclass
@@ -58,6 +59,8 @@ class DeltaCache:
     plans: dict[str, InPlace | None] = field(default_factory=dict)  # HF name -> in place, or None: reload its group
     groups: dict[str, list[str]] = field(default_factory=dict)  # group -> its HF names (they reload together)
     vllm_names: dict[str, str] = field(default_factory=dict)  # HF name -> vLLM parameter name (fused), when known
+    where: dict[str, tuple[str, str, Any]] = field(default_factory=dict)  # HF name -> (module path, param, shard)
+    pending: Pending | None = None  # a staged delta made ready before the pause (worker_prebuild.py)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +70,8 @@ class DeltaCache:
         state = "ready" if self.ready else "error" if self.error else "filling" if self.thread else "empty"
         return {"pid": os.getpid(), "version": self.version, "state": state, "error": self.error,
                 "tensors": len(self.tensors), "bytes": self.nbytes if self.ready else 0,
-                "inplace": sum(p is not None for p in self.plans.values()), "seconds": round(self.seconds, 3)}
+                "inplace": sum(p is not None for p in self.plans.values()), "seconds": round(self.seconds, 3),
+                "pending": self.pending.status() if self.pending is not None else None}
 
 
 def group_of(name: str, packed: dict[str, list[str]]) -> str:
@@ -98,25 +102,35 @@ class DeltaWorker:
         c, self._tito_delta = self._tito_delta, None
         if c is not None:
             c.cancelled = True
+            if c.pending is not None:
+                c.pending.cancelled = True
         return c is not None and bool(c.tensors)
 
     def tito_delta_status(self) -> dict[str, Any]:
         return self._delta_cache().status()
 
-    def tito_delta_prepare(self, version: str, files: list[str] | None) -> dict[str, Any]:
+    def tito_delta_prepare(self, version: str, files: list[str] | None,
+                           delta: dict[str, str] | None = None) -> dict[str, Any]:
         """Make sure the cached copy holds ``version``: already there, being filled, or start filling it from
         ``files`` (the active checkpoint) in a background thread. ``files`` None: the copy must already be at
-        ``version`` (the result of an earlier delta commit)."""
+        ``version`` (the result of an earlier delta commit). ``delta`` ({"path", "version"}: a staged delta on
+        ``version``): make it ready for its commit in the background too (worker_prebuild.py)."""
         c = self._delta_cache()
-        if c.version == version and (c.ready or (c.thread is not None and c.thread.is_alive())):
-            return c.status()
-        if files is None:
-            return {**c.status(), "state": "missing"}
-        self.tito_delta_reset()
-        c = self._tito_delta = DeltaCache(version=version)
-        c.thread = threading.Thread(target=self._delta_fill, args=(c, list(files)), name="tito-delta-fill",
-                                    daemon=True)
-        c.thread.start()
+        if not (c.version == version and (c.ready or (c.thread is not None and c.thread.is_alive()))):
+            if files is None:
+                return {**c.status(), "state": "missing"}
+            self.tito_delta_reset()
+            c = self._tito_delta = DeltaCache(version=version)
+            c.thread = threading.Thread(target=self._delta_fill, args=(c, list(files)), name="tito-delta-fill",
+                                        daemon=True)
+            c.thread.start()
+        old = c.pending
+        if delta is not None and not (old is not None and not old.cancelled and old.state != "error" and
+                                      (old.version, old.path, old.base) == (delta["version"], delta["path"], version)):
+            p = c.pending = Pending(delta["version"], version, delta["path"])
+            p.thread = threading.Thread(target=self._delta_ready, args=(c, p, old), name="tito-delta-ready",
+                                        daemon=True)
+            p.thread.start()
         return c.status()
 
     def _delta_fill(self, c: DeltaCache, files: list[str]) -> None:
@@ -124,6 +138,7 @@ class DeltaWorker:
         out which tensors can be written in place. Runs beside generation; touches no live tensor."""
         from safetensors import safe_open
 
+        lower_priority(idle=True)
         t0 = time.perf_counter()
         try:
             tensors: dict[str, Any] = {}
@@ -139,8 +154,9 @@ class DeltaWorker:
             groups: dict[str, list[str]] = {}
             for name in tensors:
                 groups.setdefault(group_of(name, packed), []).append(name)
-            plans, vnames = _plans(model, self.vllm_config, tensors, packed)  # type: ignore[attr-defined]
-            c.tensors, c.groups, c.plans, c.vllm_names = tensors, groups, plans, vnames
+            plans, where = layout_plans(model, self.vllm_config, tensors, packed)  # type: ignore[attr-defined]
+            c.tensors, c.groups, c.plans, c.where = tensors, groups, plans, where
+            c.vllm_names = {n: f"{m}.{p}" for n, (m, p, _) in where.items()}
             c.seconds = time.perf_counter() - t0
             c.ready = True
             log.info("delta cache: version %s, %d tensors (%.0f MB) in %.2fs; %d written in place on commit",
@@ -159,19 +175,19 @@ class DeltaWorker:
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-        shared = _shared_params(model)
+        shared = shared_params(model)
         quantized = getattr(self.vllm_config, "quant_config", None) is not None  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
         for name, shape in shapes.items():
-            where = _locate(model, name, packed)
+            where = locate(model, name, packed)
             if where is None:
                 out[name] = None
                 continue
             module, pname, shard, vname = where
             param = get_layerwise_info(module).restore_metadata[0].get(pname, module._parameters.get(pname))
-            plan = _trace(param, shard, tuple(shape), module)
+            plan = trace_param(param, shard, tuple(shape), module)
             out[name] = {"param": vname, "shard": shard, "shape": list(param.shape),
-                         "inplace": not quantized and _inplace_ok(module, shared), "runs": None if plan is None
+                         "inplace": not quantized and inplace_ok(module, shared), "runs": None if plan is None
                          else [[int(a), int(b), int(n)] for a, b, n in zip(plan.hf_start, plan.p_start, plan.length,
                                                                            strict=True)]}
         return out
@@ -179,24 +195,24 @@ class DeltaWorker:
     def tito_delta_commit(self, path: str, base: str, version: str, wait: float = 600.0) -> dict[str, Any]:
         """Apply the prepared delta at ``path`` (app/engine/delta_format.py, int64 indices) on top of cached ``base``;
         the cache then holds ``version``. Errors before anything changed carry ``UNTOUCHED``."""
-        from app.engine.delta_format import DeltaFormatError, iter_stream
-
         c = self._delta_cache()
         if c.thread is not None and c.version == base:
             c.thread.join(wait)  # a commit right after the first stage: the copy may still be filling
+        p = c.pending
+        if p is not None and not p.cancelled and (p.version, p.path, p.base) == (version, path, base):
+            if p.thread is not None:
+                p.thread.join(wait)  # under the pause the engine is idle: the rest of the preparation runs at once
+            if p.state == "ready":
+                return self._delta_commit_ready(c, p)
+            log.warning("delta %s was not made ready (%s): applying it under the pause", version, p.error or p.state)
+        if p is not None:
+            self._delta_discard(c, p, wait)
         if not c.ready or c.version != base:
             why = c.error or (f"it holds {c.version!r}" if c.version else "it is empty")
             raise ValueError(f"{UNTOUCHED}the worker's copy of version {base!r} is not available ({why}); "
                              "stage the delta again")
         t0 = time.perf_counter()
-        # First pass, nothing changes yet: every record must fit the cached tensors.
-        try:
-            for rec in iter_stream(Path(path), headers_only=True):
-                held = c.tensors.get(rec.name)
-                if held is None or tuple(held.shape) != tuple(rec.shape):
-                    raise DeltaFormatError(f"{rec.name!r} does not match the cached weights")
-        except (DeltaFormatError, OSError) as e:
-            raise ValueError(f"{UNTOUCHED}prepared delta {path} is unreadable: {e}") from None
+        _check_records(c, Path(path))  # nothing changes yet: every record must fit the cached tensors
         # Into the copy (the model unchanged): a failure here leaves the served weights intact.
         cpu0 = time.thread_time()
         try:
@@ -215,7 +231,97 @@ class DeltaWorker:
         c.version = version
         return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "copy_seconds": t_copy,
                 "cpu_seconds": time.thread_time() - cpu0, "tensors": len(inplace) + len(touched),
-                "elements": elements, **out}
+                "elements": elements, "prepared": False, **out}
+
+    def _delta_commit_ready(self, c: DeltaCache, p: Pending) -> dict[str, Any]:
+        """The commit of a delta made ready before the pause: the copy already holds it, the touched linear layers
+        are processed; write the in-place elements, swap the processed layers in, reload what is left."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            out = self._delta_to_model(c, p.inplace, p.reload, p.prebuilt)
+        except BaseException:
+            self.tito_delta_reset()
+            raise
+        c.version, c.pending = p.version, None
+        return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "copy_seconds": 0.0,
+                "cpu_seconds": time.thread_time() - cpu0, "tensors": p.tensors, "elements": p.elements,
+                "prepared": True, "prepare_seconds": round(p.seconds, 3), **out}
+
+    def _delta_discard(self, c: DeltaCache, p: Pending, wait: float) -> None:
+        """Forget a delta made ready for another commit: the copy goes back to its base."""
+        p.cancelled = True
+        if p.thread is not None:
+            p.thread.join(wait)
+            if p.thread.is_alive():
+                self.tito_delta_reset()
+                raise RuntimeError(f"{UNTOUCHED}the preparation of delta {p.version} did not stop within {wait:g}s; "
+                                   "the worker's copy was dropped: stage the delta again")
+        undo(c, p)
+        if c.pending is p:
+            c.pending = None
+
+    def _delta_ready(self, c: DeltaCache, p: Pending, old: Pending | None) -> None:
+        """Background thread (low priority): add the delta to the copy (undoably), then process a shadow of each
+        touched layer that allows it (worker_prebuild.py). Touches no live tensor."""
+        from app.engine.delta_format import iter_stream
+
+        lower_priority(idle=True)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            if old is not None:  # the delta staged before on this copy: take it back out first
+                old.cancelled = True
+                if old.thread is not None:
+                    old.thread.join()
+                undo(c, old)
+            if c.thread is not None:
+                c.thread.join()
+            if not c.ready:
+                raise RuntimeError(c.error or "the copy of the active weights is not available")
+            _check_records(c, Path(p.path))
+            touched: set[str] = set()
+            for rec in iter_stream(Path(p.path)):
+                if p.cancelled:
+                    break
+                p.undo.append((rec.name, rec.indices, apply_undoable(c.tensors[rec.name].view(-1), rec)))
+                p.tensors += 1
+                p.elements += rec.indices.numel()
+                if c.plans.get(rec.name) is not None:
+                    p.inplace.append((rec.name, rec.indices))
+                elif rec.indices.numel():
+                    touched.add(rec.name)
+            p.copy_seconds = time.perf_counter() - t0
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            shared = shared_params(model)
+            quantized = getattr(self.vllm_config, "quant_config", None) is not None  # type: ignore[attr-defined]
+            members: dict[str, list[str]] = {}
+            for name, (module_path, _, _) in c.where.items():
+                members.setdefault(module_path, []).append(name)
+            for module_path in sorted({c.where[n][0] for n in touched if n in c.where}):
+                if p.cancelled:
+                    break
+                module = model.get_submodule(module_path)
+                if not prebuild_ok(module, shared, quantized):
+                    continue
+                feeds = [(c.where[n][1], c.where[n][2], c.tensors[n]) for n in members[module_path]]
+                built = timed_build(module_path, module, feeds)
+                if built is not None:
+                    p.prebuilt[module_path] = built
+            p.reload = {n for n in touched if c.where.get(n, ("", "", None))[0] not in p.prebuilt}
+            if p.cancelled:
+                p.state = "cancelled"
+                undo(c, p)
+            else:
+                p.state = "ready"
+                log.info("delta %s ready for its commit in %.2fs (copy %.2fs): %d layers processed ahead, %d tensors "
+                         "left to reload", p.version, time.perf_counter() - t0, p.copy_seconds, len(p.prebuilt),
+                         len(p.reload))
+        except Exception as e:  # noqa: BLE001 - reported by tito_delta_status; the commit applies it the old way
+            p.error, p.state = f"{type(e).__name__}: {e}", "error"
+            undo(c, p)
+            log.warning("delta %s: preparing it before the pause failed (%s); its commit applies it under the pause",
+                        p.version, p.error)
+        finally:
+            p.seconds, p.cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
 
     def _delta_to_copy(self, c: DeltaCache, path: Path) -> tuple[list[tuple[str, Any]], set[str], int]:
         """Add every record to the cached tensors; return the in-place tensors with their changed indices, the
@@ -234,17 +340,25 @@ class DeltaWorker:
                 touched.add(rec.name)
         return inplace, touched, elements
 
-    def _delta_to_model(self, c: DeltaCache, inplace: list[tuple[str, Any]], touched: set[str]) -> dict[str, Any]:
-        """Write the in-place tensors' changed elements, then reload the touched layers from the copy."""
+    def _delta_to_model(self, c: DeltaCache, inplace: list[tuple[str, Any]], touched: set[str],
+                        prebuilt: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the in-place tensors' changed elements, swap in the layers processed ahead, then reload the other
+        touched layers from the copy."""
         t0 = time.perf_counter()
         for name, idx in inplace:
             plan = c.plans[name]
             assert plan is not None
-            _write_inplace(plan, idx, c.tensors[name].view(-1))
+            write_inplace(plan, idx, c.tensors[name].view(-1))
         t_inplace = time.perf_counter() - t0
+        prebuilt = prebuilt or {}
+        if prebuilt:  # (the test-only fault hook counts swapped layers as it counts loaded tensors)
+            for _, layer in inject_fault(prebuilt.items()):
+                swap_in(layer)
+        t_swap = time.perf_counter() - t0 - t_inplace
         packed = dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", None) or {})  # type: ignore[attr-defined]
         groups = sorted({group_of(n, packed) for n in touched})
-        feed = [n for g in groups for n in c.groups[g] if c.plans.get(n) is None]
+        feed = [n for g in groups for n in c.groups[g]
+                if c.plans.get(n) is None and c.where.get(n, ("", "", None))[0] not in prebuilt]
         reload_s = 0.0
         if feed:
             expect = {c.vllm_names[n] for n in feed if n in c.vllm_names}
@@ -254,157 +368,50 @@ class DeltaWorker:
             if missed:
                 raise RuntimeError(f"weight(s) of the delta's layers did not load: {', '.join(missed[:8])}")
             reload_s = float(out["reload_seconds"])
-        return {"inplace": len(inplace), "inplace_seconds": t_inplace, "reload_seconds": reload_s,
-                "reloaded_groups": len(groups), "reloaded_tensors": len(feed)}
+        elif inplace or prebuilt:
+            self._tito_weights_changed()
+        return {"inplace": len(inplace), "inplace_seconds": t_inplace, "prebuilt": len(prebuilt),
+                "swap_seconds": t_swap, "reload_seconds": reload_s,
+                "reloaded_groups": len({group_of(n, packed) for n in feed}), "reloaded_tensors": len(feed)}
+
+    def _tito_weights_changed(self) -> None:
+        """What vLLM's ``reload_weights`` does after loading (caches computed with the old weights go), for a commit
+        that changed the weights without it."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(runner, reset, None)
+            if fn is not None:
+                fn()
 
 
-# ------------------------------------------------------------------------------------------ in place
+def _check_records(c: DeltaCache, path: Path) -> None:
+    """Every record of the prepared delta fits the cached tensors (names, shapes), else an untouched failure."""
+    from app.engine.delta_format import DeltaFormatError, iter_stream
 
-
-def _write_inplace(plan: InPlace, hf_idx: Any, target_flat: Any) -> None:
-    """``param[p(i)] = target[i]`` in the parameter's dtype: what loading the target would have put there."""
-    import torch
-
-    from app.engine.delta_format import gather, scatter
-
-    if hf_idx.numel() == 0 or plan.hf_start.numel() == 0:
-        return
-    j = torch.searchsorted(plan.hf_start, hf_idx, right=True) - 1
-    ok = j >= 0
-    j = j.clamp(min=0)
-    off = hf_idx - plan.hf_start[j]
-    ok &= off < plan.length[j]  # elements another tensor-parallel rank holds are skipped
-    dst = plan.param.data.view(-1)
-    pos = (plan.p_start[j] + off)[ok]
-    scatter(dst, pos, gather(target_flat, hf_idx[ok]).to(dst.dtype))
-
-
-def _inplace_ok(module: Any, shared: set[int]) -> bool:
-    """Whether the kernel reads this module's parameters as loaded, on this platform (vLLM 0.32)."""
-    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    from vllm.platforms import current_platform
-
-    if isinstance(module, (RMSNorm, GemmaRMSNorm, LayerNorm)):
-        return True
-    cuda = bool(current_platform.is_cuda())
-    if isinstance(module, VocabParallelEmbedding):
-        if type(getattr(module, "quant_method", None)).__name__ != "UnquantizedEmbeddingMethod":
-            return False
-        if cuda:
-            return True
-        # CPU: the embedding lookup reads the weight; its packed copy serves only an LM head sharing that weight.
-        return bool(current_platform.is_cpu()) and not isinstance(module, ParallelLMHead) and \
-            id(getattr(module, "weight", None)) not in shared
-    if isinstance(module, LinearBase):
-        return cuda and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
-    return False
-
-
-def _locate(model: Any, name: str, packed: dict[str, list[str]]) -> tuple[Any, str, Any, str] | None:
-    """(module, parameter name, shard id, vLLM parameter name) of an HF tensor, with vLLM's fused projections
-    (``packed_modules_mapping``) resolved; None when the model has no such module."""
-    mod_path, _, pname = name.rpartition(".")
-    parent, _, leaf = mod_path.rpartition(".")
-    shard: Any = None
-    for fused, parts in packed.items():
-        if leaf in parts:
-            shard = parts.index(leaf)
-            mod_path = f"{parent}.{fused}" if parent else fused
-            break
     try:
-        module = model.get_submodule(mod_path)
-    except AttributeError:
-        return None
-    if shard is not None and any(k.__name__ == "QKVParallelLinear" for k in type(module).__mro__):
-        shard = ("q", "k", "v")[shard]
-    return module, pname, shard, f"{mod_path}.{pname}"
+        for rec in iter_stream(path, headers_only=True):
+            held = c.tensors.get(rec.name)
+            if held is None or tuple(held.shape) != tuple(rec.shape):
+                raise DeltaFormatError(f"{rec.name!r} does not match the cached weights")
+    except (DeltaFormatError, OSError) as e:
+        raise ValueError(f"{UNTOUCHED}prepared delta {path} is unreadable: {e}") from None
 
 
-def _plans(model: Any, vllm_config: Any, tensors: dict[str, Any],
-           packed: dict[str, list[str]]) -> tuple[dict[str, InPlace | None], dict[str, str]]:
-    plans: dict[str, InPlace | None] = {}
-    vnames: dict[str, str] = {}
-    quantized = getattr(vllm_config, "quant_config", None) is not None
-    shared = _shared_params(model)
-    for name, t in tensors.items():
-        plans[name] = None
-        where = _locate(model, name, packed)
-        if where is None:
-            continue
-        module, pname, shard, vname = where
-        vnames[name] = vname
-        param = module._parameters.get(pname)
-        if quantized or param is None or not param.is_contiguous() or not _inplace_ok(module, shared):
-            continue
-        try:
-            plans[name] = _trace(param, shard, tuple(t.shape), module)
-        except Exception as e:  # noqa: BLE001 - an unusual loader: that tensor reloads instead
-            log.info("delta: %s is reloaded, not written in place (tracing its loader failed: %s)", name, e)
-    return plans, vnames
+def apply_undoable(flat: Any, rec: Any) -> Any:
+    """``apply_to`` that returns the elements it replaced (to put them back with ``undo``)."""
+    from app.engine.delta_format import apply_to, gather
+
+    old = gather(flat, rec.indices).clone() if rec.indices.numel() else rec.indices.new_empty(0)
+    apply_to(flat, rec)
+    return old
 
 
-def _unwrapped(loader: Any) -> Any:
-    """The loader under vLLM's layerwise-reload wrapper (which, between reloads, loads nothing)."""
-    while getattr(loader, "__name__", "") == "online_process_loader":
-        loader = loader.__wrapped__
-    return loader
+def undo(c: DeltaCache, p: Pending) -> None:
+    """Put back what a made-ready delta changed in the copy (the model never saw it); forget its layers."""
+    from app.engine.delta_format import scatter
 
-
-def _bound(value: Any, module: Any) -> Any:
-    """A method vLLM's reload metadata keeps unbound from its layer (bound to a sentinel), bound to it again."""
-    from types import MethodType
-
-    import torch
-
-    if module is not None and isinstance(value, MethodType) and not isinstance(value.__self__, torch.nn.Module):
-        return value.__func__.__get__(module)
-    return value
-
-
-def _shared_params(model: Any) -> set[int]:
-    """ids of parameters held by more than one module (a tied LM head and embedding)."""
-    seen: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, n in seen.items() if n > 1}
-
-
-def _trace(param: Any, shard: Any, hf_shape: tuple[int, ...], module: Any = None) -> InPlace | None:
-    """Run the parameter's own weight loader on an index tensor (HF element i holds i+1; 0 is what loaders fill
-    padding with) into a scratch copy of the parameter (same class and attributes: vLLM's v2 loaders call methods
-    of the parameter), and read back where each HF element landed."""
-    import torch
-
-    n, m = math.prod(hf_shape), param.numel()
-    itype = torch.int32 if max(n, m) < 2**31 - 1 else torch.int64
-    marker = torch.arange(1, n + 1, dtype=itype).view(hf_shape)
-    data = torch.full(tuple(param.shape), -1, dtype=itype)
-    scratch = torch.nn.Parameter._make_subclass(type(param), data, False) \
-        if isinstance(param, torch.nn.Parameter) else data
-    for k, v in param.__dict__.items():
-        scratch.__dict__[k] = _bound(v, module)
-    loader = _bound(_unwrapped(getattr(param, "weight_loader", None)), module)
-    if loader is None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        loader = default_weight_loader
-    loader(scratch, marker) if shard is None else loader(scratch, marker, shard)
-    scratch = scratch.data
-    flat = scratch.view(-1)
-    pos = torch.nonzero(flat > 0).view(-1)
-    hf = flat[pos].to(torch.int64) - 1
-    if pos.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return InPlace(param, empty, empty, empty)
-    brk = torch.ones(pos.numel(), dtype=torch.bool)
-    brk[1:] = (torch.diff(hf) != 1) | (torch.diff(pos) != 1)
-    starts = torch.nonzero(brk).view(-1)
-    length = torch.diff(starts, append=torch.tensor([pos.numel()]))
-    hf_start, p_start = hf[starts], pos[starts]
-    order = torch.argsort(hf_start)
-    hf_start, p_start, length = hf_start[order], p_start[order], length[order]
-    if bool((hf_start[1:] < hf_start[:-1] + length[:-1]).any()):
-        return None  # an HF element placed twice: not a plain placement
-    return InPlace(param, hf_start, p_start, length)
+    for name, idx, old in reversed(p.undo):
+        if idx.numel() and name in c.tensors:
+            scatter(c.tensors[name].view(-1), idx, old)
+    p.undo.clear()
+    p.prebuilt.clear()

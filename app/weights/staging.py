@@ -42,6 +42,8 @@ Guard = Callable[[str, Callable[[], Awaitable[UpdateOutcome]]], Callable[[], Awa
 log = logging.getLogger("tito.staging")
 
 MODES = ("full", "delta")
+# Seconds between looks at the workers' preparation, growing: each look is an RPC between two engine steps.
+READY_POLL, READY_POLL_MAX = 0.05, 0.5
 WORKER_RPC_TIMEOUT = 60.0  # the workers' quick answers (copy status, prepare, layout); the engine core may be busy
 BASE = "base"
 
@@ -74,6 +76,7 @@ class Staged:
     seconds: float = 0.0
     staged_at: float = field(default_factory=time.time)
     committing: bool = False
+    ready_seconds: float = 0.0  # a delta: how long the stage waited for the workers to make it ready
 
     def body(self) -> dict[str, Any]:
         return {"version": self.version, "mode": self.mode, "base_version": self.base_version,
@@ -234,14 +237,42 @@ class StagingManager:
                        artifact.stat().st_size, n, elements, dt)
         self._add(entry)
         STAGE_SECONDS.observe(dt)
+        ready, t1 = False, time.monotonic()
         if not self.weights.busy:  # else an update (a commit) is changing the weights: it prepares them itself
             try:
-                await self._prepare_workers(self.active_version, files)
+                # The workers make this delta ready for its commit (CPU: its layers processed ahead of the pause)
+                # while the engine generates; Prime-RL commits as soon as the stage answers, so the answer waits.
+                await self._prepare_workers(self.active_version, files, {"path": str(prepared), "version": version})
+                ready = await self._wait_ready(version)
             except ApiError as e:  # the version is staged all the same: the commit prepares the copy again
                 log.warning("staged %s, but the workers' copy is not filling yet: %s", version, e.message)
-        log.info("staged delta %s on %s via %s: %d tensors, %d elements, %d bytes, checked in %.3fs", version, base,
-                 transport, n, elements, entry.nbytes, dt)
-        return self._answer(entry)
+        entry.ready_seconds = time.monotonic() - t1
+        log.info("staged delta %s on %s via %s: %d tensors, %d elements, %d bytes, checked in %.3fs; %s for its commit "
+                 "%.3fs later", version, base, transport, n, elements, entry.nbytes, dt,
+                 "ready" if ready else "not ready", entry.ready_seconds)
+        return {**self._answer(entry), "ready": ready, "ready_ms": round(entry.ready_seconds * 1000, 2)}
+
+    async def _wait_ready(self, version: str) -> bool:
+        """Until every worker has made the staged delta ready for its commit, at most ``--stage-ready-wait``
+        seconds (the preparation goes on after; the commit waits for what is left). False: not ready (or failed: the
+        commit then applies it the old way, under the pause)."""
+        deadline = time.monotonic() + max(0.0, self.settings.stage_ready_wait)
+        poll = READY_POLL
+        while True:
+            try:
+                self.workers = await asyncio.wait_for(self.engine.delta_status(), WORKER_RPC_TIMEOUT)
+            except TimeoutError:
+                return False
+            pending = [w.get("pending") if isinstance(w, dict) else None for w in self.workers]
+            mine = [p for p in pending if isinstance(p, dict) and p.get("version") == version]
+            if len(mine) < len(pending) or any(p.get("state") in ("error", "cancelled") for p in mine):
+                return False  # replaced (another stage or a commit), or failed
+            if all(p.get("state") == "ready" for p in mine):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+            poll = min(poll * 1.5, READY_POLL_MAX)
 
     async def register_full(self, version: str, directory: Path, transport: str, source: str,
                             owned: Path | None, sha256: str | None = None) -> dict[str, Any]:
@@ -299,10 +330,13 @@ class StagingManager:
         if e.owned is not None:
             remove_tree(e.owned)
 
-    async def _prepare_workers(self, version: str, files: list[str] | None) -> list[Any]:
-        """Have the workers' host copy hold ``version`` (filled in the background while generation goes on)."""
+    async def _prepare_workers(self, version: str, files: list[str] | None,
+                               delta: dict[str, str] | None = None) -> list[Any]:
+        """Have the workers' host copy hold ``version`` (filled in the background while generation goes on), and
+        ``delta`` ({"path", "version"}) made ready for its commit on top of it."""
         try:  # answers at once (the copy fills in a worker thread): a bounded wait
-            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files), WORKER_RPC_TIMEOUT)
+            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files, delta),
+                                                  WORKER_RPC_TIMEOUT)
         except TimeoutError:
             raise ApiError(504, f"the workers did not answer within {WORKER_RPC_TIMEOUT:g}s (preparing their copy "
                                 f"of version {version}); nothing was changed, retry.") from None
@@ -367,10 +401,13 @@ class StagingManager:
         if not out.noop:
             DELTA_ELEMENTS.inc(entry.elements)
         self.committed(entry)
-        keys = ("copy_seconds", "inplace_seconds", "reload_seconds", "cpu_seconds", "inplace", "reloaded_groups",
-                "reloaded_tensors", "elements")
+        keys = ("copy_seconds", "inplace_seconds", "swap_seconds", "reload_seconds", "cpu_seconds", "inplace",
+                "prebuilt", "reloaded_groups", "reloaded_tensors", "elements", "prepare_seconds")
         rows = [r for r in results if isinstance(r, dict)]
-        return out, {k: max(r.get(k, 0) for r in rows) for k in keys} if rows else {}
+        if not rows:
+            return out, {}
+        stats = {k: max(r.get(k, 0) for r in rows) for k in keys}
+        return out, {**stats, "prepared": all(r.get("prepared") for r in rows)}
 
     def committed(self, entry: Staged) -> None:
         """After a successful commit: remember what is active, drop every staged version (its own included; the
