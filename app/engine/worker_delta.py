@@ -263,8 +263,6 @@ class DeltaWorker:
     def _delta_ready(self, c: DeltaCache, p: Pending, old: Pending | None) -> None:
         """Background thread (low priority): add the delta to the copy (undoably), then process a shadow of each
         touched layer that allows it (worker_prebuild.py). Touches no live tensor."""
-        from app.engine.delta_format import iter_stream
-
         lower_priority(idle=True)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
@@ -278,17 +276,8 @@ class DeltaWorker:
             if not c.ready:
                 raise RuntimeError(c.error or "the copy of the active weights is not available")
             _check_records(c, Path(p.path))
-            touched: set[str] = set()
-            for rec in iter_stream(Path(p.path)):
-                if p.cancelled:
-                    break
-                p.undo.append((rec.name, rec.indices, apply_undoable(c.tensors[rec.name].view(-1), rec)))
-                p.tensors += 1
-                p.elements += rec.indices.numel()
-                if c.plans.get(rec.name) is not None:
-                    p.inplace.append((rec.name, rec.indices))
-                elif rec.indices.numel():
-                    touched.add(rec.name)
+            p.inplace, touched, p.elements = self._delta_to_copy(c, Path(p.path), p)
+            p.tensors = len(p.undo)
             p.copy_seconds = time.perf_counter() - t0
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             shared = shared_params(model)
@@ -323,16 +312,24 @@ class DeltaWorker:
         finally:
             p.seconds, p.cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
 
-    def _delta_to_copy(self, c: DeltaCache, path: Path) -> tuple[list[tuple[str, Any]], set[str], int]:
+    def _delta_to_copy(self, c: DeltaCache, path: Path,
+                       p: Pending | None = None) -> tuple[list[tuple[str, Any]], set[str], int]:
         """Add every record to the cached tensors; return the in-place tensors with their changed indices, the
-        other touched tensors, and the number of changed elements."""
+        other touched tensors, and the number of changed elements. With ``p`` (a delta made ready before the pause):
+        undoably (the replaced elements go to ``p.undo``), stopping when ``p`` is cancelled."""
         from app.engine.delta_format import apply_to, iter_stream
 
         inplace: list[tuple[str, Any]] = []
         touched: set[str] = set()
         elements = 0
         for rec in iter_stream(path):
-            apply_to(c.tensors[rec.name].view(-1), rec)
+            flat = c.tensors[rec.name].view(-1)
+            if p is None:
+                apply_to(flat, rec)
+            elif p.cancelled:
+                break
+            else:
+                p.undo.append((rec.name, rec.indices, apply_undoable(flat, rec)))
             elements += rec.indices.numel()
             if c.plans.get(rec.name) is not None:
                 inplace.append((rec.name, rec.indices))
