@@ -46,8 +46,7 @@ async def _body(request: Request, state: AppState) -> bytes:
 
 def _gate(request: Request, state: AppState) -> Gate:
     return Gate(limits=state.limits, enter=state.enter, leave=state.leave,
-                name=lambda rid: set_request_id(request.scope, rid),
-                priority_scheduling=state.facts.priority_scheduling)
+                name=lambda rid: set_request_id(request.scope, rid))
 
 
 def _json(answer: Answer) -> Response:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.core.multimodal import MediaPolicy, check_url
 from app.core.protocol import ApiError, bad_request, validation_error
-from app.engine.sampling import Limits, _check_ids, _check_logprobs, check_prompt
+from app.engine.sampling import Limits, check_engine_params, check_ids
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tito.openai")
 
-_INT64 = (-(2**63), 2**63 - 1)
 NO_TOKENIZER = ("this server has no tokenizer (the model directory ships none, or it runs with --skip-tokenizer-init)"
                 ": it serves token ids only")
 _MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio",
@@ -56,7 +54,6 @@ class Gate:
     enter: Callable[[str, str], str]  # (client id, engine id base) -> the request's unique engine id
     leave: Callable[[str], None]
     name: Callable[[str], None]  # told the id the client sees, once known (log lines carry it)
-    priority_scheduling: bool = False
 
 
 @dataclass
@@ -109,65 +106,6 @@ class _Call:
 _CALL: ContextVar[_Call | None] = ContextVar("tito_openai_call", default=None)
 
 
-def check_params(params: SamplingParams, token_ids: list[int], limits: Limits, *, priority: int,
-                 priority_scheduling: bool, tokenizer: bool) -> None:
-    """The checks the token API makes (app/engine/sampling.py), on the ``SamplingParams`` vLLM's handler built:
-    anything the engine would refuse (or die on) after the answer started is refused here, before it."""
-    try:
-        check_prompt(token_ids, limits)
-    except ApiError as e:
-        e.param = "prompt"
-        raise
-    if params.n > limits.max_num_seqs:
-        raise bad_request(f"n must be at most the server's max_num_seqs ({limits.max_num_seqs}), got {params.n}.",
-                          "n")
-    _check_logprobs(params.logprobs, limits, "logprobs")
-    _check_logprobs(params.prompt_logprobs, limits, "prompt_logprobs")
-    if params.prompt_logprobs is not None and limits.prompt_logprobs_refusal:  # also echo + logprobs
-        raise bad_request(limits.prompt_logprobs_refusal, "prompt_logprobs")
-    if params.min_tokens and limits.min_tokens_refusal:
-        raise bad_request(limits.min_tokens_refusal, "min_tokens")
-    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
-        ids = getattr(params, name, None)
-        if ids:
-            _check_ids(ids, limits.vocab_size, name)
-    if params.allowed_token_ids is not None and not params.allowed_token_ids:
-        raise bad_request("allowed_token_ids must not be empty.", "allowed_token_ids")
-    if params.stop_token_ids and len(params.stop_token_ids) > limits.max_stop_token_ids:
-        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(params.stop_token_ids)}.",
-                          "stop_token_ids")
-    if params.logit_bias:
-        if len(params.logit_bias) > limits.max_logit_bias:
-            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got {len(params.logit_bias)}.",
-                              "logit_bias")
-        _check_ids([int(t) for t in params.logit_bias], limits.vocab_size, "logit_bias")
-        if not all(math.isfinite(b) for b in params.logit_bias.values()):
-            raise bad_request("logit_bias values must be finite numbers.", "logit_bias")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = getattr(params, name, None)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise bad_request(f"{name} must be a finite number.", name)
-    for name in ("seed", "top_k", "min_tokens", "max_tokens"):
-        v = getattr(params, name, None)
-        if isinstance(v, int) and not _INT64[0] <= v <= _INT64[1]:
-            raise bad_request(f"{name} must be between -2**63 and 2**63 - 1, got {v}.", name)
-    room = limits.max_model_len - len(token_ids)
-    if params.max_tokens is not None and not 1 <= params.max_tokens <= room:
-        raise bad_request(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) must fit the model's "
-                          f"maximum context length ({limits.max_model_len}), with max_tokens >= 1.", "max_tokens")
-    if priority != 0 and not priority_scheduling:
-        raise bad_request("priority other than 0 needs a server started with --scheduling-policy priority.",
-                          "priority")
-    if not tokenizer:
-        if params.stop:
-            raise bad_request(f"stop strings need detokenization; {NO_TOKENIZER}. Use stop_token_ids.", "stop")
-        if params.bad_words:
-            raise bad_request(f"bad_words needs a tokenizer; {NO_TOKENIZER}.", "bad_words")
-        if params.structured_outputs is not None:
-            raise bad_request(f"structured outputs need a tokenizer; {NO_TOKENIZER}.", "structured_outputs")
-        params.detokenize = False
-
-
 class _GatedClient:
     """vLLM's engine client (``AsyncLLM``) as vLLM's serving classes see it, with ``generate()`` gated by tito."""
 
@@ -187,8 +125,7 @@ class _GatedClient:
             raise bad_request("this server takes token or text prompts only (no embeddings or media here).",
                               "prompt")
         ids = list(prompt["prompt_token_ids"])
-        check_params(sampling_params, ids, call.gate.limits, priority=priority,
-                     priority_scheduling=call.gate.priority_scheduling, tokenizer=call.tokenizer)
+        check_engine_params(sampling_params, ids, call.gate.limits, priority=priority, tokenizer=call.tokenizer)
         # And vLLM's own checks of the params (SamplingParams.verify, feature gates such as thinking_token_budget),
         # which the engine client would otherwise make after the answer began; they do not modify the params. The
         # tasks are the ones AsyncLLM cached at its first request (the warm-up's).
@@ -332,7 +269,7 @@ class OpenAILayer:
     async def detokenize(self, raw: Any, body: bytes, limits: Limits) -> Answer:
         self._need_tokenizer("/detokenize")
         req = self._parse("detokenize", body)
-        _check_ids(req.tokens, limits.vocab_size, "tokens")
+        check_ids(req.tokens, limits.vocab_size, "tokens")
         return self._answer(await self._guard(self.tokenization.create_detokenize(req, raw)))
 
     # ------------------------------------------------------------------ helpers

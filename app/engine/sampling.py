@@ -1,7 +1,9 @@
-"""Wire sampling parameters → vLLM ``SamplingParams``, with every check that keeps bad input away from the engine.
+"""Sampling parameters: the one validator every transport uses, and tito's wire params → vLLM ``SamplingParams``.
 
 vLLM 0.32's own server lets an out-of-vocabulary id reach the worker, which raises IndexError and kills the
-EngineCore. Everything here runs before the engine sees the request, and fails with a 400 naming the field.
+EngineCore. The rules here (``check_prompt``, ``check_sampling``) run before the engine sees a request, on the token
+API and both gRPC services (``build_sampling_params``) and on vLLM's OpenAI routes (``check_engine_params``), and fail
+with a 400 naming the field, in the same words on every route.
 """
 
 from __future__ import annotations
@@ -81,21 +83,48 @@ _PASSTHROUGH = (
 )
 
 
-def _check_ids(ids: Any, vocab: int, param: str) -> None:
+@dataclass(frozen=True)
+class NoText:
+    """Who cannot serve the text features (stop strings, bad words, structured outputs), and why: the words of
+    their refusal."""
+
+    who: str
+    why: str
+
+
+# The token API never detokenizes, whatever the server loaded.
+TOKEN_API = NoText("the token API", "it answers token ids only")
+# vLLM's own routes on a server without a tokenizer.
+NO_TOKENIZER_SERVER = NoText("this server", "it has no tokenizer: the model directory ships none, or it runs with "
+                                            "--skip-tokenizer-init")
+
+
+def refuse_stop_strings(no_text: NoText, param: str) -> ApiError:
+    return bad_request(f"stop strings need detokenization, which {no_text.who} does not do ({no_text.why}): use "
+                       f"stop_token_ids, or {_TEXT_ROUTE}.", param)
+
+
+def refuse_needs_tokenizer(what: str, no_text: NoText, param: str) -> ApiError:
+    return bad_request(f"{what} needs a tokenizer, which {no_text.who} does not use ({no_text.why}): use "
+                       f"{_TEXT_ROUTE}.", param)
+
+
+def check_ids(ids: Any, vocab: int, param: str) -> None:
+    """Every id of ``ids`` inside the vocabulary (the engine dies on one outside it)."""
     if ids and (min(ids) < 0 or max(ids) >= vocab):
         bad = next(t for t in ids if t < 0 or t >= vocab)
         raise bad_request(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab}).", param)
 
 
-def check_prompt(token_ids: list[int], limits: Limits) -> None:
+def check_prompt(token_ids: list[int], limits: Limits, param: str = "token_ids") -> None:
     n = len(token_ids)
     if n == 0:
-        raise bad_request("token_ids must not be empty.", "token_ids")
-    _check_ids(token_ids, limits.vocab_size, "token_ids")
+        raise bad_request(f"{param} must not be empty.", param)
+    check_ids(token_ids, limits.vocab_size, param)
     if n >= limits.max_model_len:
         raise bad_request(
             f"Input length ({n}) exceeds model's maximum context length ({limits.max_model_len}): "
-            "no room left to generate a token.", "token_ids")
+            "no room left to generate a token.", param)
 
 
 def _check_logprobs(value: int | None, limits: Limits, param: str) -> None:
@@ -109,85 +138,102 @@ def _check_logprobs(value: int | None, limits: Limits, param: str) -> None:
         raise bad_request(f"{param}={shown} exceeds the server's max_logprobs ({cap}).", param)
 
 
+def check_sampling(p: Any, prompt_len: int, limits: Limits, *, prefix: str, priority: int,
+                   no_text: NoText | None) -> None:
+    """The one set of rules every transport holds sampling parameters to, before the engine sees them: the token
+    API and both gRPC services (tito's wire params, before ``SamplingParams`` is built) and vLLM's OpenAI routes
+    (the ``SamplingParams`` vLLM's handler built: the attribute names are the same). ``prefix`` names the params'
+    place in the request (``sampling_params.`` on the token API); ``no_text``: who cannot serve stop strings, bad
+    words and structured outputs here (None: served). vLLM's own checks (``SamplingParams._verify_args``: ranges,
+    finite floats) run at construction, on every route."""
+    if no_text is not None:
+        if p.stop:
+            raise refuse_stop_strings(no_text, prefix + "stop")
+        if p.bad_words:
+            raise refuse_needs_tokenizer("bad_words", no_text, prefix + "bad_words")
+        if p.structured_outputs:
+            raise refuse_needs_tokenizer("structured_outputs", no_text, prefix + "structured_outputs")
+
+    n = p.n if p.n is not None else 1
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", prefix + "n")
+    if n > limits.max_num_seqs:
+        raise bad_request(f"{prefix}n must be at most the server's max_num_seqs ({limits.max_num_seqs}), got {n}.",
+                          prefix + "n")
+    _check_logprobs(p.logprobs, limits, prefix + "logprobs")
+    _check_logprobs(p.prompt_logprobs, limits, prefix + "prompt_logprobs")
+    if p.prompt_logprobs is not None and limits.prompt_logprobs_refusal:  # on vLLM's routes also echo + logprobs
+        raise bad_request(limits.prompt_logprobs_refusal, prefix + "prompt_logprobs")
+
+    vocab = limits.vocab_size
+    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+        ids = getattr(p, name, None)
+        if ids is not None:
+            check_ids(ids, vocab, prefix + name)
+    if p.stop_token_ids is not None and len(p.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(p.stop_token_ids)}.",
+                          prefix + "stop_token_ids")
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        raise bad_request("allowed_token_ids must not be empty.", prefix + "allowed_token_ids")
+    if p.logit_bias:
+        if len(p.logit_bias) > limits.max_logit_bias:
+            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got {len(p.logit_bias)}.",
+                              prefix + "logit_bias")
+        check_ids([int(t) for t in p.logit_bias], vocab, prefix + "logit_bias")
+        if not all(math.isfinite(b) for b in p.logit_bias.values()):
+            raise bad_request("logit_bias values must be finite numbers.", prefix + "logit_bias")
+    if p.min_tokens is not None and p.min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {p.min_tokens}.", prefix + "min_tokens")
+    if p.min_tokens and limits.min_tokens_refusal:
+        raise bad_request(limits.min_tokens_refusal, prefix + "min_tokens")
+
+    if priority != 0 and not limits.priority_scheduling:
+        raise bad_request("priority other than 0 needs a server started with --scheduling-policy priority.",
+                          "priority")
+
+    if p.max_tokens is not None:
+        if p.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {p.max_tokens}.", prefix + "max_tokens")
+        if p.max_tokens > limits.max_model_len - prompt_len:
+            raise bad_request(
+                f"prompt ({prompt_len} tokens) + max_tokens ({p.max_tokens}) exceeds the model's maximum "
+                f"context length ({limits.max_model_len}).", prefix + "max_tokens")
+
+    # The engine's wire (msgspec) cannot carry integers beyond 64 bits: such a seed or top_k got a 500 from inside
+    # the engine client. Refuse them here, with vLLM's own bounds (a torch long).
+    for k in _PASSTHROUGH:
+        v = getattr(p, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+            raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", prefix + k)
+
+
+def check_engine_params(params: SamplingParams, token_ids: list[int], limits: Limits, *, priority: int,
+                        tokenizer: bool) -> None:
+    """``check_prompt`` and ``check_sampling`` on the prompt and ``SamplingParams`` that vLLM's OpenAI handler built
+    (the request's keys sit at the top level of its body), before the engine sees them: anything the engine would
+    refuse (or die on) after the answer started is refused here, before it."""
+    check_prompt(token_ids, limits, "prompt")
+    check_sampling(params, len(token_ids), limits, prefix="", priority=priority,
+                   no_text=None if tokenizer else NO_TOKENIZER_SERVER)
+    if not tokenizer:
+        params.detokenize = False
+
+
 def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParams:
     """Validate ``req`` (prompt already checked) and return engine-ready ``SamplingParams``."""
     wire: WireSamplingParams = req.sampling_params
     given = wire.model_fields_set
     sp = "sampling_params."
 
-    if wire.stop:
-        raise bad_request("stop strings need detokenization, which the token API does not do (it answers token "
-                          f"ids only): use stop_token_ids, or {_TEXT_ROUTE}.", sp + "stop")
-    if wire.bad_words:
-        raise bad_request(f"bad_words needs a tokenizer, which the token API does not use: {_TEXT_ROUTE}.",
-                          sp + "bad_words")
-    if wire.structured_outputs:
-        raise bad_request(f"structured_outputs needs a tokenizer, which the token API does not use: {_TEXT_ROUTE}.",
-                          sp + "structured_outputs")
-    if wire.detokenize:
-        # A tokens-only server cannot detokenize; vLLM's --tokens-only forces it off the same way.
-        pass
+    # A tokens-only server cannot detokenize: ``detokenize`` is forced off below, as vLLM's --tokens-only does.
     if req.output_mode != "tokens":
         raise bad_request("output_mode='text' is not served by the token API (it answers token ids only, never "
                           f"detokenizing); use output_mode='tokens', or {_TEXT_ROUTE}.", "output_mode")
+    check_sampling(wire, len(req.token_ids), limits, prefix=sp, priority=req.priority, no_text=TOKEN_API)
 
-    n = wire.n if wire.n is not None else 1
-    if n < 1:
-        raise bad_request(f"n must be at least 1, got {n}.", sp + "n")
-    if n > limits.max_num_seqs:
-        raise bad_request(f"sampling_params.n must be at most the server's max_num_seqs ({limits.max_num_seqs}), "
-                          f"got {n}.", sp + "n")
-    _check_logprobs(wire.logprobs, limits, sp + "logprobs")
-    _check_logprobs(wire.prompt_logprobs, limits, sp + "prompt_logprobs")
-    if wire.prompt_logprobs is not None and limits.prompt_logprobs_refusal:
-        raise bad_request(limits.prompt_logprobs_refusal, sp + "prompt_logprobs")
-
-    vocab = limits.vocab_size
-    for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
-        ids = getattr(wire, name)
-        if ids is not None:
-            _check_ids(ids, vocab, sp + name)
-    if wire.stop_token_ids is not None and len(wire.stop_token_ids) > limits.max_stop_token_ids:
-        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(wire.stop_token_ids)}.",
-                          sp + "stop_token_ids")
-    if wire.allowed_token_ids is not None and not wire.allowed_token_ids:
-        raise bad_request("allowed_token_ids must not be empty.", sp + "allowed_token_ids")
-    if wire.logit_bias is not None:
-        if len(wire.logit_bias) > limits.max_logit_bias:
-            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got {len(wire.logit_bias)}.",
-                              sp + "logit_bias")
-        _check_ids(list(wire.logit_bias), vocab, sp + "logit_bias")
-        if not all(math.isfinite(b) for b in wire.logit_bias.values()):
-            raise bad_request("logit_bias values must be finite numbers.", sp + "logit_bias")
-    if wire.min_tokens is not None and wire.min_tokens < 0:
-        raise bad_request(f"min_tokens must be >= 0, got {wire.min_tokens}.", sp + "min_tokens")
-    if wire.min_tokens and limits.min_tokens_refusal:
-        raise bad_request(limits.min_tokens_refusal, sp + "min_tokens")
-
-    if req.priority != 0 and not limits.priority_scheduling:
-        raise bad_request("priority other than 0 needs a server started with --scheduling-policy priority.",
-                          "priority")
-
-    prompt_len = len(req.token_ids)
-    room = limits.max_model_len - prompt_len
-    if "max_tokens" in given and wire.max_tokens is not None:
-        if wire.max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {wire.max_tokens}.", sp + "max_tokens")
-        if wire.max_tokens > room:
-            raise bad_request(
-                f"prompt ({prompt_len} tokens) + max_tokens ({wire.max_tokens}) exceeds the model's maximum "
-                f"context length ({limits.max_model_len}).", sp + "max_tokens")
-        max_tokens = wire.max_tokens
-    else:
-        # vLLM's dataclass default of 16 silently truncates RL rollouts; fill the context instead.
-        max_tokens = room
-
+    # vLLM's dataclass default of 16 silently truncates RL rollouts; fill the context instead.
+    max_tokens = wire.max_tokens if wire.max_tokens is not None else limits.max_model_len - len(req.token_ids)
     kwargs: dict[str, Any] = {k: getattr(wire, k) for k in _PASSTHROUGH if k in given and getattr(wire, k) is not None}
-    # The engine's wire (msgspec) cannot carry integers beyond 64 bits: such a seed or top_k got a 500 from inside
-    # the engine client. Refuse them here, with vLLM's own bounds (a torch long).
-    for k, v in kwargs.items():
-        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
-            raise bad_request(f"{k} must be between -2**63 and 2**63 - 1, got {v}.", sp + k)
     kwargs["max_tokens"] = max_tokens
     kwargs["detokenize"] = False
     # Built for this one request and never reused: vLLM may take it as it is (a shallow copy) instead of deep-copying
