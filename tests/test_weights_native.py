@@ -269,7 +269,8 @@ class _Wire:
 def _worker(wire: _Wire) -> Any:
     import torch
 
-    from app.engine.worker import TitoWorkerExtension, _Broadcaster
+    from app.engine.worker import TitoWorkerExtension
+    from app.engine.worker_broadcast import Broadcaster
 
     class Worker(TitoWorkerExtension):
         device = torch.device("cpu")
@@ -278,7 +279,7 @@ def _worker(wire: _Wire) -> Any:
 
         def __init__(self) -> None:
             self.loaded: dict[str, Any] = {}
-            self._tito_bcast = _Broadcaster(wire.recv, 1, 2, "nccl", 5.0, wire.close)
+            self._tito_bcast = Broadcaster(wire.recv, 1, 2, "nccl", 5.0, wire.close)
 
         def reload_weights(self, weights_iterator: Any) -> None:
             for name, t in weights_iterator:

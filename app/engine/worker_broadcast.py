@@ -1,0 +1,331 @@
+"""The trainer's NCCL/gloo weight broadcast, on the worker's side (mixed into ``app.engine.worker``'s
+``TitoWorkerExtension``).
+
+Joining the trainer's group (Prime-RL's topology: the trainer is rank 0 and hosts the store), receiving one update in
+Prime-RL's wire format state dict by state dict, checking each against the model's tensors before it reaches the
+model, and loading it with the worker's checked reload (``_tito_reload``, app/engine/worker.py). Errors the caller
+caused carry ``CLIENT_ERROR``, timeouts ``TIMEOUT_ERROR``, failures that left the model as it was ``UNTOUCHED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+# Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
+
+log = logging.getLogger("tito.worker")
+
+# Sanity bounds on what a trainer announces, so a garbled stream fails fast instead of allocating terabytes.
+_MAX_STATE_DICTS = 100_000
+_MAX_META_BYTES = 256 * 1024 * 1024
+
+
+class BroadcastError(RuntimeError):
+    pass
+
+
+class Broadcaster:
+    """The worker's end of the trainer's broadcast group: receive-only, rank 0 is the trainer."""
+
+    def __init__(self, recv: Callable[[Any, float], None], rank: int, world_size: int, backend: str,
+                 timeout: float, close: Callable[[], None]) -> None:
+        self.recv = recv
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.close = close
+
+
+class BroadcastWorker:
+    """The broadcast RPCs of the worker extension (``self`` is vLLM's worker)."""
+
+    _tito_bcast: Broadcaster | None = None
+
+    def tito_init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
+                              timeout: float, backend: str) -> dict[str, Any]:
+        """Join the trainer's group as rank ``rank_offset + dp_rank*world + worker_rank + 1`` of
+        ``inference_world_size + 1`` (Prime-RL's topology rank; the trainer is rank 0 and hosts the store)."""
+        pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        per_engine = int(pc.world_size)  # tp * pp
+        dp_index = int(pc.data_parallel_index)
+        local = int(pc.rank) % per_engine
+        rank = rank_offset + dp_index * per_engine + local + 1
+        span = int(pc.data_parallel_size) * per_engine
+        if rank_offset < 0 or inference_world_size < 1 or rank > inference_world_size:
+            raise ValueError(
+                f"{CLIENT_ERROR}rank {rank} (rank_offset {rank_offset} + dp_rank {dp_index} x {per_engine} + worker "
+                f"{local} + 1) does not fit inference_world_size {inference_world_size}: this server has {span} "
+                f"worker(s), so inference_world_size must be at least rank_offset + {span}.")
+        self.tito_close_broadcaster()
+        world = inference_world_size + 1
+        td = timedelta(seconds=timeout)
+        t0 = time.perf_counter()
+        try:
+            if backend not in ("gloo", "nccl"):
+                raise ValueError(f"{CLIENT_ERROR}unknown broadcast backend {backend!r} (nccl or gloo).")
+            _wait_for_store(host, port, timeout)
+            if backend == "gloo":
+                recv, close = _gloo_group(host, port, rank, world, td)
+            else:
+                recv, close = _nccl_group(host, port, rank, world, timeout, self.device)  # type: ignore[attr-defined]
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - rendezvous failures become a clear timeout/connect error
+            raise BroadcastError(f"{TIMEOUT_ERROR}could not join the trainer's {backend} group at {host}:{port} as "
+                                 f"rank {rank}/{world} within {timeout:g}s: {e}") from None
+        self._tito_bcast = Broadcaster(recv, rank, world, backend, timeout, close)
+        log.info("joined weight broadcast group %s:%d as rank %d/%d (%s) in %.2fs", host, port, rank, world, backend,
+                 time.perf_counter() - t0)
+        return {"rank": rank, "world_size": world, "backend": backend}
+
+    def tito_close_broadcaster(self) -> bool:
+        b: Broadcaster | None = getattr(self, "_tito_bcast", None)
+        self._tito_bcast = None
+        if b is None:
+            return False
+        try:
+            b.close()
+        except Exception:  # noqa: BLE001 - a broken group cannot be closed cleanly; dropping it is enough
+            pass
+        return True
+
+    def tito_receive_broadcast(self, expected: dict[str, list[int]], timeout: float | None = None) -> dict[str, Any]:
+        """Receive one update (Prime-RL's wire: count, then per state dict: meta length, pickled meta, one flat
+        tensor per dtype) and load each state dict as it arrives, so the device never holds a second copy of the
+        weights (one state dict, a layer in Prime-RL's order, at most).
+
+        Each state dict's names and shapes are checked against ``expected`` before it reaches the model; the first
+        one is received in full before the reload starts, so a trainer that fails at once (bad metadata, a stalled
+        group) leaves the model untouched (errors carry ``UNTOUCHED``). A failure after that leaves a partly loaded
+        model: the server marks its weights inconsistent.
+        """
+        b: Broadcaster | None = getattr(self, "_tito_bcast", None)
+        if b is None:
+            raise ValueError(f"{UNTOUCHED}{CLIENT_ERROR}no broadcast group: call /init_broadcaster first.")
+        self.tito_delta_reset()  # type: ignore[attr-defined]
+        rx = _Receiver(self, b, float(timeout or b.timeout), expected)
+        t0 = time.perf_counter()
+        try:
+            n = rx.count()
+            first = rx.state_dict(0)
+        except Exception as e:  # noqa: BLE001 - nothing has reached the model yet
+            raise BroadcastError(f"{UNTOUCHED}{e}") from None
+
+        def stream() -> Iterator[tuple[str, Any]]:
+            yield from _skip_buffers(first)
+            first.clear()  # drop the references as vLLM consumes them
+            for i in range(1, n):
+                yield from _skip_buffers(rx.state_dict(i))
+            rx.check_complete()
+
+        kept = self._tito_reload(stream())  # type: ignore[attr-defined]
+        return {"pid": os.getpid(), "bytes": rx.nbytes, "tensors": len(rx.seen), "state_dicts": n,
+                "seconds": time.perf_counter() - t0, **kept}
+
+
+class _Receiver:
+    """Receives one broadcast update, state dict by state dict, checking each against the model's tensors."""
+
+    def __init__(self, worker: Any, b: Broadcaster, limit: float, expected: dict[str, list[int]]) -> None:
+        self.worker, self.b, self.limit, self.expected = worker, b, limit, expected
+        self.device = worker.device
+        self.seen: set[str] = set()
+        self.nbytes = 0
+
+    def _fail(self, exc: Exception) -> Exception:
+        # The group is unusable after a failed or abandoned collective: drop it (aborts an NCCL communicator).
+        self.worker.tito_close_broadcaster()
+        return exc
+
+    def recv(self, t: Any, what: str) -> None:
+        try:
+            self.b.recv(t, self.limit)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(BroadcastError(
+                f"{TIMEOUT_ERROR}broadcast receive of {what} failed or timed out after {self.limit:g}s ({e}); the "
+                "group was dropped: call /init_broadcaster again.")) from None
+
+    def count(self) -> int:
+        import torch
+
+        count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.recv(count, "the state-dict count")
+        n = int(count.item())
+        if not 0 < n <= _MAX_STATE_DICTS:
+            raise self._fail(ValueError(f"{CLIENT_ERROR}trainer announced {n} state dicts; expected "
+                                        f"1..{_MAX_STATE_DICTS}."))
+        return n
+
+    def state_dict(self, i: int) -> list[tuple[str, Any]]:
+        import torch
+
+        from app.engine.safe_pickle import UnsafePickleError, restricted_loads
+
+        ln = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.recv(ln, f"metadata length {i}")
+        size = int(ln.item())
+        if not 0 < size <= _MAX_META_BYTES:
+            raise self._fail(ValueError(f"{CLIENT_ERROR}state dict {i}: metadata length {size} out of range."))
+        raw = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.recv(raw, f"metadata {i}")
+        try:
+            meta = _check_meta(restricted_loads(raw.cpu().numpy().tobytes()))
+        except (UnsafePickleError, ValueError, TypeError, EOFError, AttributeError) as e:
+            raise self._fail(ValueError(f"{CLIENT_ERROR}state dict {i}: bad metadata: {e}")) from None
+        try:
+            _check_part([(name, shape) for _, rows in meta for name, shape, _ in rows], self.expected, self.seen)
+        except ValueError as e:
+            raise self._fail(e) from None
+        out: list[tuple[str, Any]] = []
+        for dtype, entries in meta:
+            flat = torch.empty(sum(numel for _, _, numel in entries), dtype=dtype, device=self.device)
+            self.recv(flat, f"state dict {i} {dtype} data")
+            self.nbytes += flat.numel() * flat.element_size()
+            off = 0
+            for name, shape, numel in entries:
+                out.append((name, flat[off:off + numel].view(shape)))
+                off += numel
+        return out
+
+    def check_complete(self) -> None:
+        missing = sorted(n for n in self.expected if n not in self.seen)
+        if missing:
+            raise ValueError(f"{CLIENT_ERROR}broadcast is missing {len(missing)} tensor(s) of the model: "
+                             f"{missing[:8]}.")
+
+
+def _skip_buffers(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    return ((n, t) for n, t in items if not n.endswith(BUFFER_SUFFIXES))
+
+
+def _check_meta(meta: Any) -> list[tuple[Any, list[tuple[str, tuple[int, ...], int]]]]:
+    """``{torch.dtype: [(name, shape, numel), ...]}`` with consistent numbers, or ValueError."""
+    import torch
+
+    if not isinstance(meta, dict):
+        raise ValueError(f"expected a dict, got {type(meta).__name__}")
+    out = []
+    for dtype, entries in meta.items():
+        if not isinstance(dtype, torch.dtype) or not isinstance(entries, (list, tuple)):
+            raise ValueError("keys must be torch dtypes and values lists")
+        rows = []
+        for e in entries:
+            if not isinstance(e, (list, tuple)) or len(e) != 3:
+                raise ValueError("entries must be (name, shape, numel)")
+            name, shape, numel = e
+            if not isinstance(name, str) or not isinstance(numel, int) or not isinstance(shape, (tuple, list)) \
+                    or not all(isinstance(x, int) and x >= 0 for x in shape):
+                raise ValueError(f"malformed entry for {name!r}")
+            if math.prod(shape) != numel:
+                raise ValueError(f"{name}: numel {numel} does not match shape {list(shape)}")
+            rows.append((name, tuple(shape), numel))
+        out.append((dtype, rows))
+    return out
+
+
+def _check_part(names: list[tuple[str, tuple[int, ...]]], expected: dict[str, list[int]], seen: set[str]) -> None:
+    """One state dict's names and shapes against the model's; ``seen`` collects names across the update."""
+    unknown = sorted(n for n, _ in names if n not in expected and not n.endswith(BUFFER_SUFFIXES))
+    if unknown:
+        raise ValueError(f"{CLIENT_ERROR}broadcast has {len(unknown)} tensor(s) the model lacks: {unknown[:8]}.")
+    for n, shape in names:
+        if n in seen:
+            raise ValueError(f"{CLIENT_ERROR}broadcast sent tensor {n!r} twice.")
+        seen.add(n)
+        want = expected.get(n)
+        if want is not None and list(shape) != list(want):
+            raise ValueError(f"{CLIENT_ERROR}shape mismatch for {n!r}: broadcast has {list(shape)}, the model "
+                             f"expects {list(want)}.")
+
+
+def _wait_for_store(host: str, port: int, timeout: float) -> None:
+    """Wait, within ``timeout``, until the trainer's TCPStore accepts connections. torch's store client retries a
+    refused connect on its own clock (minutes), and on a local port nobody listens on, one of its retries can
+    connect the socket to itself (TCP self-connect: the ephemeral source port equals the target) and then wait for
+    an answer that never comes, holding the worker, and so the engine loop, long past the caller's timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))) as s:
+                if s.getsockname() != s.getpeername():
+                    return
+        except OSError:
+            pass
+        if left <= 0:
+            raise TimeoutError(f"nothing accepted a connection on {host}:{port}")
+        time.sleep(min(0.2, max(0.0, left)))
+
+
+def _gloo_group(host: str, port: int, rank: int, world: int,
+                timeout: timedelta) -> tuple[Callable[[Any, float], None], Callable[[], None]]:
+    """A gloo group beside vLLM's own (vllm-cpu.md): broadcast through the group object, not the global API."""
+    import torch
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    pg: Any = stateless_init_torch_distributed_process_group(host, port, rank, world, "gloo", timeout=timeout)
+    gave_up: list[bool] = []
+
+    def recv(t: Any, limit: float) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        try:
+            pg.broadcast([t], opts).wait(timedelta(seconds=limit))
+        except BaseException:
+            gave_up.append(True)  # the receive may still be pending in gloo's thread
+            raise
+
+    def close() -> None:
+        pg.shutdown() if hasattr(pg, "shutdown") else None
+        if gave_up:
+            _ABANDONED_GROUPS.append(pg)
+
+    return recv, close
+
+
+# Gloo groups dropped with a receive given up on (a timed-out broadcast, the trainer still connected). Letting one go
+# runs ProcessGroupGloo's destructor, which waits for that receive until the group's own timeout (init_broadcaster's
+# ``timeout``; Prime-RL's default is 1200 s): the worker, and so every generation, would hang that long after the
+# update had already answered 504. Kept referenced instead; the receive ends in gloo's own thread.
+_ABANDONED_GROUPS: list[Any] = []
+
+
+def _nccl_group(host: str, port: int, rank: int, world: int, timeout: float,
+                device: Any) -> tuple[Callable[[Any, float], None], Callable[[], None]]:
+    """The same group Prime-RL's trainer builds: vLLM's StatelessProcessGroup (TCPStore) + PyNcclCommunicator."""
+    import torch
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    spg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world,
+                                       store_timeout=int(timeout))
+    comm = PyNcclCommunicator(spg, device=device)
+
+    def recv(t: Any, limit: float) -> None:
+        # NCCL has no per-call timeout: poll the stream's completion against the deadline.
+        stream = torch.cuda.current_stream()
+        comm.broadcast(t, src=0, stream=stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        deadline = time.monotonic() + limit
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NCCL broadcast not complete after {limit:g}s")
+            time.sleep(0.001)
+
+    def close() -> None:
+        # After a timeout the broadcast may still be pending on the stream: abort the communicator (vLLM's destroy
+        # runs ncclCommAbort in a thread with a 5 s bound) so it neither hangs nor is reused; the store goes with it.
+        comm.destroy()
+
+    return recv, close
