@@ -2,11 +2,12 @@
 
 tito's own servicer, not ``smg-grpc-servicer``'s: that package registers a vLLM plugin that loads in every vLLM
 process and patches vLLM's argument parser, and its Generate bypasses everything tito guarantees over HTTP. Here a
-proto request is turned into tito's HTTP ``GenerateRequest`` and goes through the very functions HTTP uses:
-``AppState.admit`` / ``enter`` / ``leave`` / ``abort``, ``check_prompt`` and ``build_sampling_params`` (so a bad
-request gets ``INVALID_ARGUMENT`` with the HTTP 400's message, before the engine), and the engine error mapping of
-``routers/generate.py``. The wire answers follow vLLM's own servicer (stream: a chunk per engine output and a
-``complete`` per finished choice; unary: one ``complete`` per choice), which is what the smg gateway reads.
+proto request is turned into tito's HTTP ``GenerateRequest`` and goes through the very functions HTTP uses
+(app/grpc/token_request.py): ``AppState.admit`` / ``enter`` / ``leave`` / ``abort``, ``check_prompt`` and
+``build_sampling_params`` (so a bad request gets ``INVALID_ARGUMENT`` with the HTTP 400's message, before the
+engine), and the engine error mapping of ``routers/generate.py``. The wire answers follow vLLM's own servicer
+(stream: a chunk per engine output and a ``complete`` per finished choice; unary: one ``complete`` per choice), which
+is what the smg gateway reads.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from pydantic import ValidationError
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from app.core.protocol import ApiError, GenerateRequest, bad_request, validation_error
-from app.engine.sampling import build_sampling_params, check_prompt
+from app.core.protocol import ApiError, GenerateRequest, bad_request
 from app.grpc.kv_events import CursorExpired, stream_batches
 from app.grpc.status import GrpcCall, fail
+from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
 from app.server.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tito.grpc")
 
-TEXT_INPUT = ("text prompts need a tokenizer, which this tokens-only server does not load; "
-              "send tokenized.input_ids.")
 # The files smg's tokenizer loader reads (what vLLM's servicer bundles for GetTokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.json")
@@ -54,27 +52,14 @@ SERVER_INFO_KEY = "tito-server-info"  # trailing metadata of GetServerInfo: /ser
 
 
 def _wire_sampling(p: pb.SamplingParams) -> dict[str, Any]:
-    """The proto's sampling params as tito's HTTP JSON keys. proto3 scalars without presence read 0/False when
-    unset; those mean "not sent" (vLLM's servicer reads them the same way), so they are left out and tito's
-    defaults apply, as for an HTTP request that omits the key."""
-    sp: dict[str, Any] = {}
-    for name in ("temperature", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
-        if p.HasField(name):
-            sp[name] = getattr(p, name)
-    for name in ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                 "min_tokens", "n"):
-        v = getattr(p, name)
-        if v:
-            sp[name] = v
-    for name in ("ignore_eos", "include_stop_str_in_output"):
-        if getattr(p, name):
-            sp[name] = True
-    if p.stop:
-        sp["stop"] = list(p.stop)
-    if p.stop_token_ids:
-        sp["stop_token_ids"] = list(p.stop_token_ids)
-    if p.logit_bias:
-        sp["logit_bias"] = dict(p.logit_bias)
+    """The proto's sampling params as the token API's JSON keys (zeros: not sent, ``sent``)."""
+    sp = {name: getattr(p, name) for name in ("temperature", "max_tokens", "logprobs", "prompt_logprobs", "seed")
+          if p.HasField(name)}
+    sp |= sent((name, getattr(p, name)) for name in (
+        "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "n",
+        "ignore_eos", "include_stop_str_in_output"))
+    sp |= sent((("stop", list(p.stop)), ("stop_token_ids", list(p.stop_token_ids)),
+                ("logit_bias", dict(p.logit_bias))))
     constraint = p.WhichOneof("constraint")
     if constraint:
         value = getattr(p, constraint)
@@ -86,10 +71,9 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     """A proto GenerateRequest as tito's HTTP ``GenerateRequest`` (raises ``ApiError(400)`` as HTTP would)."""
     kind = msg.WhichOneof("input")
     if kind == "text":
-        raise bad_request(TEXT_INPUT, "text")
+        raise refuse_text_prompt("tokenized.input_ids")
     if msg.sampling_params.HasField("truncate_prompt_tokens"):
-        raise bad_request("truncate_prompt_tokens is not supported: tito never shortens a prompt.",
-                          "sampling_params.truncate_prompt_tokens")
+        raise refuse_truncation("sampling_params.truncate_prompt_tokens")
     body: dict[str, Any] = {
         "token_ids": list(msg.tokenized.input_ids) if kind == "tokenized" else [],
         "sampling_params": _wire_sampling(msg.sampling_params),
@@ -97,8 +81,7 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
         "stream": msg.stream,
     }
     if msg.HasField("mm_inputs") or msg.extra_mm_inputs or msg.HasField("media_refs"):
-        raise bad_request("multimodal input is not taken over gRPC; send content_parts or features to "
-                          "POST /inference/v1/generate (multimodal models only).", "mm_inputs")
+        raise refuse_media("mm_inputs")
     if msg.HasField("kv_transfer_params_json"):
         try:
             kv = json.loads(msg.kv_transfer_params_json)
@@ -110,10 +93,7 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     elif msg.HasField("kv_transfer_params"):
         legacy = msg.kv_transfer_params
         body["kv_transfer_params"] = {"remote_host": legacy.remote_host, "remote_port": legacy.remote_port}
-    try:
-        return GenerateRequest.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return token_request(body)
 
 
 def _dp_rank(msg: pb.GenerateRequest, dp_size: int) -> int | None:
@@ -205,9 +185,7 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         state = self.state
         try:
             req = to_generate_request(request)
-            state.admit()
-            check_prompt(req.token_ids, state.limits)
-            params = build_sampling_params(req, state.limits)
+            params = admit(state, req)
             dp_rank = _dp_rank(request, state.facts.data_parallel_size)
         except ApiError as e:
             await fail(context, call, e)

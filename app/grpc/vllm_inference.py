@@ -2,7 +2,8 @@
 what Dynamo's vLLM sidecar (``python -m dynamo.vllm.sidecar``) drives.
 
 A request is turned into tito's HTTP ``GenerateRequest`` and goes through the HTTP path's own checks and accounting
-(``AppState.admit`` / ``enter`` / ``leave``, ``check_prompt``, ``build_sampling_params``, ``resolve_model``): bad
+(app/grpc/token_request.py: ``AppState.admit`` / ``enter`` / ``leave``, ``check_prompt``, ``build_sampling_params``,
+``resolve_model``): bad
 input is ``INVALID_ARGUMENT`` with the HTTP 400's words, before the engine. The stream has the shape the sidecar
 reads: the first message carries ``prompt_info``; each message one sequence's new tokens (``num_tokens`` of them),
 their detokenized text (``app/grpc/detokenize.py``), logprobs, ranks and candidates when asked; the sequence's last
@@ -23,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import json_format
-from pydantic import ValidationError
 
-from app.core.protocol import ApiError, GenerateRequest, bad_request, validation_error
-from app.engine.sampling import build_sampling_params, check_prompt
+from app.core.protocol import ApiError, GenerateRequest, bad_request
+from app.engine.sampling import TOKEN_API, refuse_needs_tokenizer
 from app.grpc.detokenize import Detokenizer, TextStream
 from app.grpc.proto import vllm_inference_pb2 as pb
 from app.grpc.proto import vllm_inference_pb2_grpc as pb_grpc
 from app.grpc.status import GrpcCall, fail
+from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
 from app.server.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
@@ -85,36 +86,25 @@ def to_generate_request(msg: pb.GenerateRequest) -> tuple[GenerateRequest, Wante
     Numbers that read 0 mean "not set" on this wire, so they are left out and tito's defaults apply."""
     kind = msg.WhichOneof("prompt")
     if kind == "text":
-        raise bad_request("text prompts are not taken: tito serves token ids (its ModelInfo says "
-                          "supports_text_input false); send token_ids.", "text")
+        raise refuse_text_prompt("token_ids")
     if msg.truncate_prompt_tokens:
-        raise bad_request("truncate_prompt_tokens is not supported: tito never shortens a prompt.",
-                          "truncate_prompt_tokens")
+        raise refuse_truncation("truncate_prompt_tokens")
     if msg.media:
-        raise bad_request("media are not taken over gRPC (ModelInfo says supports_multimodal false).", "media")
+        raise refuse_media("media")
     s, d, st, r, kv = msg.sampling, msg.decoding, msg.stopping, msg.response, msg.kv
     if d.WhichOneof("structured_output"):
-        raise bad_request("structured outputs need the engine's tokenizer, which tito does not load.",
-                          "decoding.structured_output")
+        raise refuse_needs_tokenizer("structured_outputs", TOKEN_API, "decoding.structured_output")
     sp: dict[str, Any] = {}
     if msg.HasField("temperature"):
         sp["temperature"] = msg.temperature
     if s.HasField("seed"):
         sp["seed"] = s.seed
-    for key, value in (("n", s.num_sequences), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
-                       ("presence_penalty", d.presence_penalty), ("frequency_penalty", d.frequency_penalty),
-                       ("repetition_penalty", d.repetition_penalty), ("max_tokens", st.max_new_tokens),
-                       ("min_tokens", st.min_new_tokens)):
-        if value:
-            sp[key] = value
-    if d.logit_bias:
-        sp["logit_bias"] = dict(d.logit_bias)
-    if d.allowed_token_ids:
-        sp["allowed_token_ids"] = list(d.allowed_token_ids)
-    if st.stop_token_ids:
-        sp["stop_token_ids"] = list(st.stop_token_ids)
-    if st.ignore_eos:
-        sp["ignore_eos"] = True
+    sp |= sent((("n", s.num_sequences), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p),
+                ("presence_penalty", d.presence_penalty), ("frequency_penalty", d.frequency_penalty),
+                ("repetition_penalty", d.repetition_penalty), ("max_tokens", st.max_new_tokens),
+                ("min_tokens", st.min_new_tokens), ("logit_bias", dict(d.logit_bias)),
+                ("allowed_token_ids", list(d.allowed_token_ids)), ("stop_token_ids", list(st.stop_token_ids)),
+                ("ignore_eos", st.ignore_eos)))
     if r.output_logprobs or r.HasField("output_candidates"):
         sp["logprobs"] = _candidates(r.output_candidates, "output_candidates")
     if r.prompt_logprobs or r.HasField("prompt_candidates"):
@@ -138,10 +128,7 @@ def to_generate_request(msg: pb.GenerateRequest) -> tuple[GenerateRequest, Wante
         "kv_transfer_params": _struct(kv.kv_transfer_params, kv.HasField("kv_transfer_params")),
         "ec_transfer_params": _struct(kv.ec_transfer_params, kv.HasField("ec_transfer_params")),
     }
-    try:
-        req = GenerateRequest.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    req = token_request(body)
     wanted = Wanted(text=r.output_text if r.HasField("output_text") else True, token_ids=r.output_token_ids,
                     logprobs="logprobs" in sp, prompt_ids=r.prompt_token_ids or "prompt_logprobs" in sp,
                     prompt_logprobs="prompt_logprobs" in sp,
@@ -357,8 +344,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                  unary: bool) -> tuple[GenerateRequest, Wanted, Any, Any, int | None]:
         state = self.state
         req, want = to_generate_request(request)
-        state.admit()
-        if unary and (req.sampling_params.n or 1) > 1:
+        params = admit(state, req)
+        if unary and params.n > 1:
             raise bad_request("Generate returns one sequence; use GenerateStream for num_sequences > 1.",
                               "sampling.num_sequences")
         if want.stops and self.detok is None:
@@ -366,8 +353,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               "stopping.stop_strings")
         lora = state.adapters.resolve(request.lora_name).handle if request.lora_name else \
             state.resolve_model(req.model)
-        check_prompt(req.token_ids, state.limits)
-        params = build_sampling_params(req, state.limits)
         return req, want, lora, params, data_parallel_rank(context, state.facts.data_parallel_size)
 
     async def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, call: GrpcCall,
