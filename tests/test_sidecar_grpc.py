@@ -197,6 +197,60 @@ def test_bad_input_is_refused_before_the_engine(a: ServerProcess, http: httpx.Cl
     assert len(ok["tokens"]) == 2 and http.get("/ready").status_code == 200
 
 
+# (case, token API sampling_params = top-level OpenAI keys, smg VllmEngine sampling fields, vllm.Inference fields,
+#  vLLM's OpenAI route: "same" words; "refused" in vLLM's own words before tito's gate sees the request (its handler
+#  refuses max_tokens above the context and a prompt past it); "served" (this server has the model's tokenizer))
+SAME_WORDS: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any], str]] = [
+    ("n above max_num_seqs", {"n": 1000}, {"n": 1000}, {"sampling": ipb.RandomSampling(num_sequences=1000)}, "same"),
+    ("logprobs above max_logprobs", {"logprobs": 50}, {"logprobs": 50},
+     {"response": ipb.ResponseOptions(output_logprobs=True, output_candidates=ipb.CandidateTokens(top_n=50))},
+     "same"),
+    ("stop id out of vocabulary", {"stop_token_ids": [99999]}, {"stop_token_ids": [99999]},
+     {"stopping": ipb.StoppingCriteria(stop_token_ids=[99999])}, "same"),
+    ("logit_bias id out of vocabulary", {"logit_bias": {"99999": 1.0}}, {"logit_bias": {99999: 1.0}},
+     {"decoding": ipb.DecodingParameters(logit_bias={99999: 1.0})}, "same"),
+    ("priority under fcfs", {}, {}, {"priority": 3}, "same"),
+    ("max_tokens past the context", {"max_tokens": 600}, {"max_tokens": 600},
+     {"stopping": ipb.StoppingCriteria(max_new_tokens=600)}, "refused"),
+    ("prompt past the context", {}, {}, {}, "refused"),
+    ("structured outputs", {"structured_outputs": {"regex": "a+"}}, {"regex": "a+"},
+     {"decoding": ipb.DecodingParameters(regex="a+")}, "served"),
+]
+
+
+@pytest.mark.parametrize(("case", "sp", "smg", "native", "openai"), SAME_WORDS, ids=[c[0] for c in SAME_WORDS])
+def test_one_rule_one_wording_on_every_transport(a: ServerProcess, http: httpx.Client, case: str, sp: dict[str, Any],
+                                                 smg: dict[str, Any], native: dict[str, Any], openai: str) -> None:
+    """The same bad input gets the same words from the token API, vLLM's /v1/completions (stream or not) and both
+    gRPC services (smg's VllmEngine, vLLM's vllm.Inference), all from one validator, before the engine. Only the
+    field's name follows each request's shape (``sampling_params.x`` on the token API and over gRPC, ``x`` at the top
+    of an OpenAI body)."""
+    from smg_grpc_proto import vllm_engine_pb2 as epb
+    from smg_grpc_proto import vllm_engine_pb2_grpc as epb_grpc
+
+    ids = [1] * 600 if case == "prompt past the context" else [1, 2, 3]
+    priority = 3 if case == "priority under fcfs" else 0
+    before = _prompt_tokens(http)
+    r = http.post(GEN, json={"token_ids": ids, "sampling_params": {"max_tokens": 4, **sp}, "priority": priority})
+    assert r.status_code == 400, r.text
+    words = r.json()["error"]["message"]
+    for stream in (False, True) if openai != "served" else ():
+        o = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "stream": stream, "priority": priority,
+                                                **sp})
+        assert o.status_code == 400, (stream, o.text)
+        if openai == "same":
+            assert o.json()["error"]["message"] == words.replace("sampling_params.", ""), (stream, o.text)
+    if not priority:  # smg's proto carries no priority
+        smg_req = epb.GenerateRequest(tokenized=epb.TokenizedInput(input_ids=ids),
+                                      sampling_params=epb.SamplingParams(**{"max_tokens": 4, **smg}))
+        assert code_of(lambda: epb_grpc.VllmEngineStub(channel(a)).Generate(smg_req)) == (INVALID, words)
+    native_req = gen(ids, 4)
+    native_req.MergeFrom(ipb.GenerateRequest(**native))
+    assert code_of(lambda: inference(a).GenerateStream(native_req)) == (INVALID, words)
+    assert _prompt_tokens(http) == before  # the engine never saw any of them
+    assert len(joined(inference(a).GenerateStream(gen([1, 2, 3], 2)))["tokens"]) == 2
+
+
 def test_abort_ends_a_running_stream_and_is_idempotent(a: ServerProcess, http: httpx.Client) -> None:
     messages: list[ipb.GenerateResponse] = []
     first = threading.Event()
