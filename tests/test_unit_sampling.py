@@ -66,7 +66,8 @@ def test_each_rule_has_one_wording_on_the_token_api_and_the_openai_routes(case: 
 
 
 def test_max_tokens_past_the_context_is_said_the_same_way_everywhere() -> None:
-    # vLLM's routes once said "must fit ... with max_tokens >= 1", the token API "exceeds": now one sentence.
+    # check_params once said "must fit ... with max_tokens >= 1", the token API "exceeds": now one sentence. (On vLLM's
+    # routes it is a guard: vLLM's handler refuses max_tokens above the context and clamps it to the room.)
     assert _openai({"max_tokens": 63}).message == \
         "prompt (2 tokens) + max_tokens (63) exceeds the model's maximum context length (64)."
 
