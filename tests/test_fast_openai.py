@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from tests.fake_engine import FACTS, FakeEngine
+from tests.fake_engine import FACTS, FakeEngine, until
 from tests.test_fast_http import serve
 
 CMPL = "/v1/completions"
@@ -41,8 +41,7 @@ async def test_drain_refuses_completions_and_waits_for_them() -> None:
     eng.gate.clear()
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(CMPL, json=OK))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         assert (await c.get("/health")).json()["inflight"] == 1
         drain = await c.post("/drain", json={"timeout": 0.05})
         assert drain.json()["status"] == "timeout" and drain.json()["still_running"] == 1
@@ -60,8 +59,7 @@ async def test_abort_by_the_completion_id() -> None:
     eng.gate.clear()
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(CMPL, json={**OK, "max_tokens": 50}, headers={"X-Request-Id": "r1"}))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         r = await c.post("/abort_requests", json={"request_ids": ["r1"]})  # the bare id names cmpl-r1 too
         assert r.json() == {"status": "aborted", "aborted": 1}
         body = (await running).json()

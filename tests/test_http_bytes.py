@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY
 
 from app.core.settings import Settings
 from app.main import create_app
-from tests.fake_engine import FakeEngine, FakeOutput
+from tests.fake_engine import FakeEngine, FakeOutput, until
 from tests.test_bad_input import CASES as BAD_INPUT
 from tests.test_security import HOSTILE_NUMBERS, HOSTILE_RAW
 
@@ -409,9 +409,7 @@ async def _leave(app: Any, eng: RichEngine, body: dict[str, Any] | None, *, mid_
     before = _metrics()
     task = asyncio.ensure_future(app(scope, receive, send))
     if not mid_body:
-        while eng.started == 0:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)
+        await until(lambda: eng.held == 1)  # its first token made (and, streaming, sent), held at the gate
         gone.set()
     raised = None
     try:
@@ -431,8 +429,8 @@ async def test_a_client_leaving_is_handled_alike(kind: str, lean: bool) -> None:
                                                  "sampling_params": {"max_tokens": 10}}
         status, raised, moved = await _leave(app, eng, body, mid_body=kind == "mid-body")
         state = app.state.tito
-        await asyncio.sleep(0.05)  # the stream's abort runs in the background
-        assert state.inflight == 0 and not state.live
+        # The abort runs in the background: wait until the request has left (and, past the body, was aborted).
+        await until(lambda: state.inflight == 0 and not state.live and (kind == "mid-body" or bool(eng.aborted)))
         if kind == "mid-body":  # Starlette's ClientDisconnect, answered as an unexpected error
             assert (status, raised) == (500, "ClientDisconnect") and eng.started == 0
             assert moved == {"tito_requests_total" + route % 500: 1.0}
