@@ -2,10 +2,10 @@
 counters each answer moved and what the engine was handed, for JSON and SSE answers, every error envelope on the
 route's path (bad input, auth, body limit, content type, admission, engine failures) and both planes' keys.
 
-``tests/golden/http_bytes.json`` is written by main's route, the FastAPI one without the lean path (issue 29): run
-this file with ``TITO_WRITE_GOLDEN=1`` in a checkout of main (it asks for ``lean=`` only when off, so main's
-``create_app`` takes it). Any change to the wire then shows up here as a diff. Regenerate only for an intended wire
-change, from the route that defines it (and say why in the commit).
+``tests/golden/http_bytes.json`` was written by the FastAPI route from before the lean path, with
+``scripts/write_golden.py`` (it asks for no ``lean=``, so a ``create_app`` without that argument takes it). Any change
+to the wire then shows up here as a diff. Regenerate only for an intended wire change, from the route that defines it
+(and say why in the commit).
 
 Driven through ASGI (no sockets) on the fake engine, with an engine fake that also returns logprobs, prompt logprobs,
 weight-version spans and cached-token counts so the general answer forms are covered too.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -336,24 +335,12 @@ def _load() -> dict[str, Any]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-async def test_write_golden_when_asked() -> None:
-    if not os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("TITO_WRITE_GOLDEN unset: the golden file is only written for an intended wire change")
-    out = {}
-    for name, variant, req in CASES:
-        out[name] = await run_case(variant, req)
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-
-
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "stack"])
 @pytest.mark.parametrize("name,variant,req", CASES, ids=[c[0] for c in CASES])
 async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, Any], lean: bool) -> None:
     """Both ways the route is served (the lean path, and through the middleware stack) give the pinned answer."""
     golden = _load()
-    if os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("writing the golden file")
-    assert name in golden, f"no golden answer for {name!r}: regenerate with TITO_WRITE_GOLDEN=1"
+    assert name in golden, f"no golden answer for {name!r}: regenerate with scripts/write_golden.py"
     got = await run_case(variant, req, lean)
     want = golden[name]
     assert got["status"] == want["status"], (got["status"], got["body"][:300])
@@ -366,8 +353,6 @@ async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, 
 
 
 def test_every_case_has_a_golden_answer() -> None:
-    if os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("writing the golden file")
     assert sorted(_load()) == sorted(name for name, _, _ in CASES)
 
 
