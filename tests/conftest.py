@@ -31,8 +31,6 @@ model) keep their own.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -54,32 +52,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
 
 
-# Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
-_STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
-_ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
-                    "keyed_tito", "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b"}
+# Fixtures that start a real engine (or hand one over), or need what only an engine test may (the tiny model written
+# to disk). A test depending on any of them, directly or through another fixture, must be marked ``engine``
+# (``pytestmark = pytest.mark.engine`` in its module, or ``@pytest.mark.engine``): collection fails otherwise, and a
+# server started during a test without the mark fails that test (``ServerProcess.engine_allowed``), so ``make unit``
+# (``-m "not engine"``) never starts an engine.
+ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lora_tito", "vllm_ref", "keyed_tito",
+                             "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "reference"})
 
 
-@functools.cache
-def _starts_engine(func: Callable[..., object]) -> bool:
-    try:
-        src = inspect.getsource(func)
-    except (OSError, TypeError):
-        return False
-    return any(s in src for s in _STARTS_ENGINE)
+def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
+    return [item.nodeid for item in items if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+            and item.get_closest_marker("engine") is None]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``engine`` every test that starts or uses a real engine: itself, or through any fixture it depends on
-    (so ``make unit`` / ``-m "not engine"`` runs only the fast tests)."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
-        func = getattr(item, "function", None)
-        if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or \
-                any(_starts_engine(d.func) for d in defs) or (func is not None and _starts_engine(func)):
-            item.add_marker(pytest.mark.engine)
+    unmarked = unmarked_engine_tests(items)
+    if unmarked:
+        raise pytest.UsageError("tests using an engine fixture without the engine mark (pytest.mark.engine):\n  "
+                                + "\n  ".join(unmarked))
     _run_enders_after_last_use(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    ServerProcess.engine_allowed = item.get_closest_marker("engine") is not None
+    try:
+        yield
+    finally:
+        ServerProcess.engine_allowed = None
 
 
 def ends_server(item: pytest.Item) -> str | None:

@@ -31,6 +31,8 @@ from tests.helpers import (
 )
 from tests.streaming import GEN, async_client, read_stream, stream_body, wait_for, wait_gone
 
+pytestmark = pytest.mark.engine
+
 BOUND_S = 2.0
 STREAMS_BOUND_S = 10.0
 LONG = 4000

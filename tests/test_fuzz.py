@@ -25,6 +25,8 @@ from app.server.security import Plane, classify
 from tests.conftest import FUZZ_ADMIN_KEY as ADMIN_KEY
 from tests.helpers import ServerProcess, restore_server
 
+pytestmark = pytest.mark.engine
+
 EXAMPLES = 40
 GENERATE = "/inference/v1/generate"
 GENERATE_EXAMPLES = 200

@@ -35,6 +35,8 @@ from tests.sidecar import stream_matches_http
 from tests.streaming import GEN, wait_for
 from tests.sweep import fire, shapes
 
+pytestmark = pytest.mark.engine
+
 ENGINE = "vllm.grpc.engine.VllmEngine"
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [5, 6, 7, 8, 9, 10, 11, 12]]
 BLOCK = 32  # replica a's KV block size: a few blocks of prompt publish KV events

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.engine
 
 # tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
 SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "routes", "vllm_config",

@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import ADMIN_KEY, DATA_KEY
 from tests.helpers import ServerProcess, metric_value, restore_server
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"

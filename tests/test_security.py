@@ -477,6 +477,7 @@ def outside() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.engine
 def test_e2e_key_rules(secured, data, admin):
     url = secured.url
     assert_401(httpx.post(url + GEN, json=OK_GEN, timeout=30))
@@ -493,6 +494,7 @@ def test_e2e_key_rules(secured, data, admin):
         assert httpx.get(url + path, timeout=30).status_code == 200, path
 
 
+@pytest.mark.engine
 def test_e2e_admin_key_opens_admin_routes(admin, data):
     assert admin.post("/pause", params={"mode": "keep"}).status_code == 200
     try:
@@ -511,6 +513,7 @@ def _escapes(root: Path, outside: Path) -> list[tuple[str, str]]:
             ("symlink child", str(link / "sub"))]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("route,field", [("/update_weights", "weight_dir"), ("/load_lora_adapter", "lora_path"),
                                          ("/v1/load_lora_adapter", "lora_path")])
 def test_e2e_path_escapes_are_403(admin, data, tmp_path_factory, outside, route, field):
@@ -528,6 +531,7 @@ def test_e2e_path_escapes_are_403(admin, data, tmp_path_factory, outside, route,
     assert data.post(GEN, json=OK_GEN).status_code == 200
 
 
+@pytest.mark.engine
 def test_e2e_errors_do_not_echo_file_contents(admin, tmp_path_factory):
     d = tmp_path_factory.mktemp("sec-bad-ckpt")
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{SECRET-WEIGHTS-1}" + b"\x00" * 64)
@@ -540,6 +544,7 @@ def test_e2e_errors_do_not_echo_file_contents(admin, tmp_path_factory):
         assert "SECRET" not in r.text and "Traceback" not in r.text, r.text
 
 
+@pytest.mark.engine
 def test_e2e_limits(secured, data):
     def gen(**kw: Any) -> httpx.Response:
         return data.post(GEN, json={"token_ids": kw.pop("token_ids", [1, 2, 3]), "sampling_params": kw})
@@ -562,6 +567,7 @@ def test_e2e_limits(secured, data):
     assert data.post(GEN, json=OK_GEN).status_code == 200
 
 
+@pytest.mark.engine
 def test_e2e_malicious_broadcast_metadata_runs_nothing(secured, admin, data, tmp_path):
     """Be the trainer of a real broadcast group (gloo, loopback) and send a pickle that would run a command."""
     import torch
@@ -648,6 +654,7 @@ HOSTILE_RAW = [b'{"token_ids":[1,2],"sampling_params":{"temperature":NaN}}',
                b'{"token_ids":[1],"sampling_params":{"extra_args":' + b'{"a":' * 3000 + b"1" + b"}" * 3001 + b"}"]
 
 
+@pytest.mark.engine
 def test_e2e_hostile_numbers_get_4xx_or_a_clean_answer(data):
     """Values at the edge of every numeric type: each answer is < 500 and the engine keeps serving."""
     for sp in HOSTILE_NUMBERS:

@@ -44,8 +44,9 @@ from tests.sidecar import (
 )
 from tests.streaming import GEN
 
-pytestmark = pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
-                                "installed; `make test` installs it")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
+                                 "installed; `make test` installs it")]
 PROMPTS = [[17, 250, 33, 401, 9, 77], [1, 300, 301, 302]]
 EVENTS_S = 1.0  # time for KV events to reach the frontend's router (they take milliseconds on an idle machine)
 

@@ -131,6 +131,7 @@ def detok(tiny_model: Path) -> Detokenizer:
     return d
 
 
+@pytest.mark.engine
 def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("The sea was calm, and the ship sailed on.").ids
@@ -145,6 +146,7 @@ def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     assert Detokenizer.load(str(ROOT / "no-such-model")) is None
 
 
+@pytest.mark.engine
 def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("one two three four five").ids
