@@ -14,8 +14,8 @@
   both, and stops ``b`` at its end).
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
-  and test_security.py (started when first asked for). Each module using it restores it at its end (``restore_server``
-  with the admin key).
+  and test_security_e2e.py (started when first asked for). Each module using it restores it at its end
+  (``restore_server`` with the admin key).
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server (started when first asked for).
 
@@ -282,8 +282,8 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     def keyed() -> ServerProcess:
         # Both keys from the environment, as a deployment would pass them; LoRA; JSON request logs; small request caps
-        # (test_security.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between its
-        # users, and the default 1 GiB cache would be held for nothing. Tokens only (--skip-tokenizer-init): the
+        # (test_security_e2e.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between
+        # its users, and the default 1 GiB cache would be held for nothing. Tokens only (--skip-tokenizer-init): the
         # suite's tokens-only engine (test_openai.py checks its text routes refuse, its token-id completions work).
         return start_tito(tmp_path_factory, tiny_model, "--skip-tokenizer-init", "--enable-lora", "--max-lora-rank",
                           "8", "--log-requests",
@@ -327,7 +327,7 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
     # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
-    # too: its users are test_client.py and test_security.py, started when the first of them asks for it; and the
+    # too: its users are test_client.py and test_security_e2e.py, started when the first of them asks for it; and the
     # fuzzing one.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
                                               "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
@@ -361,7 +361,7 @@ def lora_tito(shared_servers: SharedServers) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def keyed_tito(shared_servers: SharedServers) -> ServerProcess:
-    """The shared server with API keys (test_client.py, test_security.py). Each module using it restores it at its
+    """The shared server with API keys (test_client.py, test_security_e2e.py). Each module using it restores it at its
     end."""
     return shared_servers.get("keyed_tito")
 

@@ -28,8 +28,8 @@ from prometheus_client import REGISTRY
 from app.core.settings import Settings
 from app.main import create_app
 from tests.fake_engine import FakeEngine, FakeOutput, until
+from tests.security_checks import HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
-from tests.test_security import HOSTILE_NUMBERS, HOSTILE_RAW
 
 GOLDEN = Path(__file__).parent / "golden" / "http_bytes.json"
 GEN = "/inference/v1/generate"
