@@ -3,6 +3,7 @@ the key checks' expected answers, a pickle that would run a command, hostile num
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ from app.main import create_app
 from tests.conftest import ADMIN_KEY, DATA_KEY
 
 GEN = "/inference/v1/generate"
+GOLDEN = Path(__file__).parent / "golden" / "http_bytes.json"  # the generate route's pinned answers
 OK_GEN = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0}}
 
 

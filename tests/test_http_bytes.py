@@ -19,7 +19,6 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,10 +27,9 @@ from prometheus_client import REGISTRY
 from app.core.settings import Settings
 from app.main import create_app
 from tests.fake_engine import FakeEngine, FakeOutput, until
-from tests.security_checks import HOSTILE_NUMBERS, HOSTILE_RAW
+from tests.security_checks import GOLDEN, HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
 
-GOLDEN = Path(__file__).parent / "golden" / "http_bytes.json"
 GEN = "/inference/v1/generate"
 JSON_CT = ("Content-Type", "application/json")
 
