@@ -16,6 +16,9 @@
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
   and test_security_e2e.py (started when first asked for). Each module using it restores it at its end
   (``restore_server`` with the admin key).
+- ``grpc_a`` / ``grpc_b``: two replicas with ``--grpc-port`` (``a`` with KV events and 32-token blocks) for tito's
+  gRPC surface and the smg gateway in front of both (test_grpc.py, test_grpc_events.py, whose SIGTERM test ends
+  ``b``), started when first asked for.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server (started when first asked for).
 
@@ -35,7 +38,7 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -44,6 +47,9 @@ from app.tiny.model import make_tiny_model
 from tests import budget
 from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
+
+if TYPE_CHECKING:
+    from tests.grpc_client import Replica
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,7 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # server started during a test without the mark fails that test (``ServerProcess.engine_allowed``), so ``make unit``
 # (``-m "not engine"``) never starts an engine.
 ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lora_tito", "vllm_ref", "keyed_tito",
-                             "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "reference"})
+                             "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "grpc_a",
+                             "grpc_b", "reference"})
 
 
 def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
@@ -150,6 +157,7 @@ KEYED_MAX_MODEL_LEN, KEYED_MAX_NUM_SEQS = 128, 4
 LORA_CONTEXT = 4192  # the 4,000-token streams of test_engine_failure.py's stay-up test, after a short prompt
 FUZZ_ADMIN_KEY = "fuzz-admin-key-6b1e"
 FUZZ_MAX_MODEL_LEN = 64
+GRPC_BLOCK = 32  # grpc_a's KV block size: a few blocks of prompt publish KV events
 
 
 # What the default server answers right after its start, before any test can change it: a never-updated engine's
@@ -319,6 +327,17 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
         return start
 
+    def grpc_replica(name: str, *extra: str, env: dict[str, str] | None = None) -> Callable[[], ServerProcess]:
+        def start() -> ServerProcess:
+            # No API key: smg 1.13 sends none to gRPC workers (test_grpc_auth.py tests the keys).
+            grpc_port = free_port()
+            s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), "--max-logprobs", "5", *extra,
+                           env=env, name=name, timeout=timeout)
+            s.grpc_port = grpc_port
+            return s
+
+        return start
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -332,8 +351,15 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
                                               "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
                                               "sidecar_a": sidecar_replica("sidecar-a", False),
-                                              "sidecar_b": sidecar_replica("sidecar-b", True)},
-                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
+                                              "sidecar_b": sidecar_replica("sidecar-b", True),
+                                              # KV events on a (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free
+                                              # ports on loopback); b's shutdown timeout: the SIGTERM test ends it.
+                                              "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0",
+                                                                     "--block-size", str(GRPC_BLOCK),
+                                                                     env={"VLLM_HOST_IP": "127.0.0.1"}),
+                                              "grpc_b": grpc_replica("grpc-b", "--shutdown-timeout", "120")},
+                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a",
+                                            "grpc_b"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -399,6 +425,26 @@ def sidecar_a(shared_servers: SharedServers) -> ServerProcess:
 def sidecar_b(shared_servers: SharedServers) -> ServerProcess:
     """The second replica, with its own Dynamo sidecar: test_sidecar_serve.py stops it with its last test."""
     return shared_servers.get("sidecar_b")
+
+
+@pytest.fixture(scope="module")
+def grpc_a(shared_servers: SharedServers) -> Replica:
+    """tito with ``--grpc-port`` and KV events (test_grpc.py, test_grpc_events.py)."""
+    from tests.grpc_client import Replica
+
+    s = shared_servers.get("grpc_a")
+    assert s.grpc_port is not None
+    return Replica(s, s.grpc_port)
+
+
+@pytest.fixture(scope="module")
+def grpc_b(shared_servers: SharedServers) -> Replica:
+    """A second gRPC replica without KV events or LoRA; test_grpc_events.py's SIGTERM test ends it."""
+    from tests.grpc_client import Replica
+
+    s = shared_servers.get("grpc_b")
+    assert s.grpc_port is not None
+    return Replica(s, s.grpc_port)
 
 
 @pytest.fixture(scope="session")

@@ -67,6 +67,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.first_answers: Any = None
         self.fresh_answers: Any = None  # what a shared server answered before any test (tests/conftest.py)
+        self.grpc_port: int | None = None  # a tito server's --grpc-port, when it has one
 
     def start(self, timeout: float = 240.0, on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
         """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
