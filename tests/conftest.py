@@ -1,6 +1,7 @@
 """Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started together.
 
-- ``tito``: the default server (no extra flags). Read-only tests and tests that put back what they change.
+- ``tito``: the default server (no extra flags but ``--grpc-port``). Read-only tests and tests that put back what
+  they change.
 - ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
   the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
@@ -16,9 +17,10 @@
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
   and test_security_e2e.py (started when first asked for). Each module using it restores it at its end
   (``restore_server`` with the admin key).
-- ``grpc_a`` / ``grpc_b``: two replicas with ``--grpc-port`` (``a`` with KV events and 32-token blocks) for tito's
-  gRPC surface and the smg gateway in front of both (test_grpc.py, test_grpc_events.py, whose SIGTERM test ends
-  ``b``), started when first asked for.
+- ``grpc_a``: ``--grpc-port``, KV events, 32-token blocks, 5 logprobs: tito's gRPC surface (test_grpc.py,
+  test_grpc_events.py), started when first asked for. Its second replica ``grpc_b`` (no KV events, no LoRA, for
+  vllm.Inference's prompt logprobs, the smg gateway in front of both and the SIGTERM test) is the default server,
+  which also serves gRPC; the SIGTERM test ends it after its last user.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server (started when first asked for).
 
@@ -265,7 +267,11 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     timeout = start_timeout(2.5)
 
     def default() -> ServerProcess:
-        s = start_tito(tmp_path_factory, tiny_model, timeout=timeout)
+        # --grpc-port: the second gRPC replica of test_grpc*.py (``grpc_b``), whose SIGTERM test ends this server
+        # after its last user; nothing else observes the gRPC port.
+        grpc_port = free_port()
+        s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), timeout=timeout)
+        s.grpc_port = grpc_port
         s.fresh_answers = fresh_answers(s)
         return s
 
@@ -352,14 +358,13 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
                                               "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
                                               "sidecar_a": sidecar_replica("sidecar-a", False),
                                               "sidecar_b": sidecar_replica("sidecar-b", True),
-                                              # KV events on a (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free
-                                              # ports on loopback); b's shutdown timeout: the SIGTERM test ends it.
+                                              # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free
+                                              # ports on loopback).
                                               "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0",
                                                                      "--block-size", str(GRPC_BLOCK),
-                                                                     env={"VLLM_HOST_IP": "127.0.0.1"}),
-                                              "grpc_b": grpc_replica("grpc-b", "--shutdown-timeout", "120")},
-                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a",
-                                            "grpc_b"}))
+                                                                     env={"VLLM_HOST_IP": "127.0.0.1"})},
+                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b",
+                                            "grpc_a"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -438,13 +443,13 @@ def grpc_a(shared_servers: SharedServers) -> Replica:
 
 
 @pytest.fixture(scope="module")
-def grpc_b(shared_servers: SharedServers) -> Replica:
-    """A second gRPC replica without KV events or LoRA; test_grpc_events.py's SIGTERM test ends it."""
+def grpc_b(tito: ServerProcess) -> Replica:
+    """The second gRPC replica, without KV events or LoRA: the default server's gRPC port (test_grpc_events.py's
+    SIGTERM test ends that server, after its last user)."""
     from tests.grpc_client import Replica
 
-    s = shared_servers.get("grpc_b")
-    assert s.grpc_port is not None
-    return Replica(s, s.grpc_port)
+    assert tito.grpc_port is not None
+    return Replica(tito, tito.grpc_port)
 
 
 @pytest.fixture(scope="session")

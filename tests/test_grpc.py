@@ -2,8 +2,8 @@
 and messages, the server and model metadata, Abort and drain. KV events, the smg gateway and SIGTERM:
 test_grpc_events.py; keys: test_grpc_auth.py (smg sends none to gRPC workers).
 
-Two shared replicas (tests/conftest.py): ``a`` (KV events) serves every test, ``b`` (no KV events) the checks of
-vllm.Inference without LoRA.
+Two replicas (tests/conftest.py): ``a`` (KV events) serves every test, ``b`` (the default server's gRPC port: no KV
+events, no LoRA) the checks of vllm.Inference without LoRA.
 """
 
 from __future__ import annotations

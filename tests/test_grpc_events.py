@@ -2,8 +2,8 @@
 request shapes together, the real smg gateway serving ``/v1/completions`` through two tito replicas over gRPC, and
 SIGTERM letting gRPC requests finish.
 
-The shared replicas ``a`` and ``b`` of test_grpc.py (tests/conftest.py); the SIGTERM test ends ``b`` (it runs after
-the last other test using it).
+The replicas ``a`` and ``b`` of test_grpc.py (tests/conftest.py: ``b`` is the default server's gRPC port); the SIGTERM
+test ends ``b`` (it runs after the last other test using the default server).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
 
 
 @TIMING
-@pytest.mark.ends_server("grpc_b")
+@pytest.mark.ends_server("tito")  # grpc_b: the default server's gRPC port
 def test_sigterm_lets_grpc_requests_finish_then_exits_0(ending_server: ServerProcess) -> None:
     assert ending_server.grpc_port is not None
     b = Replica(ending_server, ending_server.grpc_port)
