@@ -4,10 +4,10 @@ loopback peers, health) on tito's real gRPC server over a stand-in state."""
 
 from __future__ import annotations
 
+import select
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -309,9 +309,12 @@ def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
     from app.dynamo.sidecar import stop
 
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('ready', flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE)
     try:
-        time.sleep(0.5)  # its handler is installed
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 30)  # its handler is installed
+        assert ready and child.stdout.readline() == b"ready\n"
         assert stop(child, timeout=10) == 7
     finally:
         child.kill()
