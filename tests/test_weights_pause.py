@@ -166,6 +166,11 @@ def test_update_without_pause_waits_for_inflight_and_is_serialized_and_cancellat
     assert server.log_text().count("weights updated from disk: version=step_6") == 1
 
 
+def _resume_waits(client: httpx.Client, new_log: str) -> bool:
+    control = client.get("/server_info").json()["state"]["control"]
+    return control["queued"] >= 1 or "control call waits for the running weight update" in new_log
+
+
 def test_resume_waits_for_a_running_update(client, server, root):
     d = write_step(root / "run" / "step_8", tiny_state_dict(88))
     old = client.get("/weight_info").json()["weight_version"]
@@ -177,10 +182,14 @@ def test_resume_waits_for_a_running_update(client, server, root):
         while client.get("/is_paused").json() != {"is_paused": True}:
             assert time.monotonic() < deadline and not upd.done(), f"{upd.error!r} {upd.value!r}"[:600]
             time.sleep(0.02)
+        log_at = len(server.log_text())
         res = Background(client.post, "/resume")
-        # The update cannot end while the request runs, so neither may the resume. (A slow machine can only make this
-        # check pass for a resume that does not wait, never fail for one that does.)
-        time.sleep(1.0)
+        # The resume has reached the server and waits behind the update (queued for the control lock, or waiting
+        # for an update that holds none); the update cannot end while the request runs, so neither may the resume.
+        deadline = time.monotonic() + 60
+        while not _resume_waits(client, server.log_text()[log_at:]):
+            assert time.monotonic() < deadline and not res.done(), f"{res.error!r} {res.value!r}"[:600]
+            time.sleep(0.02)
         assert not res.done(), "resume returned while the update was still waiting"
     finally:
         bg.abort(client)
