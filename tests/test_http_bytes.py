@@ -14,6 +14,7 @@ weight-version spans and cached-token counts so the general answer forms are cov
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from prometheus_client import REGISTRY
 from app.core.settings import Settings
 from app.main import create_app
 from tests.fake_engine import FakeEngine, FakeOutput, until
+from tests.helpers import ROOT
 from tests.security_checks import GOLDEN, HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
 
@@ -348,6 +350,15 @@ async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, 
     assert got["metrics"] == want["metrics"]
     assert got["engine"] == want["engine"]
     assert got["params"] == want["params"]
+
+
+async def test_the_writer_script_reproduces_the_golden_file() -> None:
+    """scripts/write_golden.py (the only writer of the file) renders it byte for byte from the current route."""
+    spec = importlib.util.spec_from_file_location("write_golden", ROOT / "scripts" / "write_golden.py")
+    assert spec is not None and spec.loader is not None
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    assert await writer.render() == GOLDEN.read_text()
 
 
 def test_every_case_has_a_golden_answer() -> None:
