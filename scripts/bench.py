@@ -47,6 +47,7 @@ import asyncio
 import json
 import os
 import platform
+import select
 import shlex
 import subprocess
 import sys
@@ -104,6 +105,8 @@ async def inprocess_load(engine: Any, wl: Workload) -> dict[str, Any]:
 _BURNER = """
 import sys, time
 busy, period = float(sys.argv[1]) * 0.01, 0.01
+sys.stdout.write("b")  # burning from now on (past interpreter start-up)
+sys.stdout.close()
 while True:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < busy:
@@ -123,8 +126,16 @@ class Burner:
         left = self.cores
         while left > 0.01:
             share = min(left, 1.0)
-            self.procs.append(subprocess.Popen([sys.executable, "-c", _BURNER, f"{min(share, 0.999):.3f}"]))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", _BURNER, f"{min(share, 0.999):.3f}"],
+                                               stdout=subprocess.PIPE))
             left -= share
+        for p in self.procs:  # the block starts once every burner burns, not during their interpreters' start-up
+            assert p.stdout is not None
+            ready, _, _ = select.select([p.stdout], [], [], 60)
+            if not ready or p.stdout.read(1) != b"b":
+                self.__exit__()
+                raise RuntimeError("a CPU burner did not start")
+            p.stdout.close()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,6 +1,7 @@
 """Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started together.
 
-- ``tito``: the default server (no extra flags). Read-only tests and tests that put back what they change.
+- ``tito``: the default server (no extra flags but ``--grpc-port``). Read-only tests and tests that put back what
+  they change.
 - ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
   the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
@@ -14,8 +15,12 @@
   both, and stops ``b`` at its end).
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
-  and test_security.py (started when first asked for). Each module using it restores it at its end (``restore_server``
-  with the admin key).
+  and test_security_e2e.py (started when first asked for). Each module using it restores it at its end
+  (``restore_server`` with the admin key).
+- ``grpc_a``: ``--grpc-port``, KV events, 32-token blocks, 5 logprobs: tito's gRPC surface (test_grpc.py,
+  test_grpc_events.py), started when first asked for. Its second replica ``grpc_b`` (no KV events, no LoRA, for
+  vllm.Inference's prompt logprobs, the smg gateway in front of both and the SIGTERM test) is the default server,
+  which also serves gRPC; the SIGTERM test ends it after its last user.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server (started when first asked for).
 
@@ -31,13 +36,11 @@ model) keep their own.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -47,6 +50,9 @@ from tests import budget
 from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
 
+if TYPE_CHECKING:
+    from tests.grpc_client import Replica
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
@@ -54,32 +60,36 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
 
 
-# Source text that starts a real engine (tito, vLLM's server, a Dynamo or smg front end in front of them).
-_STARTS_ENGINE = ("start_tito(", "ServerProcess(", "tito_cmd(", "start_grpc_pair(", "Reference(")
-_ENGINE_FIXTURES = {"tito", "tito_url", "tiny_model", "vllm_server", "long_tito", "lora_tito", "vllm_ref",
-                    "keyed_tito", "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b"}
+# Fixtures that start a real engine (or hand one over), or need what only an engine test may (the tiny model written
+# to disk). A test depending on any of them, directly or through another fixture, must be marked ``engine``
+# (``pytestmark = pytest.mark.engine`` in its module, or ``@pytest.mark.engine``): collection fails otherwise, and a
+# server started during a test without the mark fails that test (``ServerProcess.engine_allowed``), so ``make unit``
+# (``-m "not engine"``) never starts an engine.
+ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lora_tito", "vllm_ref", "keyed_tito",
+                             "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "grpc_a",
+                             "grpc_b", "reference"})
 
 
-@functools.cache
-def _starts_engine(func: Callable[..., object]) -> bool:
-    try:
-        src = inspect.getsource(func)
-    except (OSError, TypeError):
-        return False
-    return any(s in src for s in _STARTS_ENGINE)
+def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
+    return [item.nodeid for item in items if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+            and item.get_closest_marker("engine") is None]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``engine`` every test that starts or uses a real engine: itself, or through any fixture it depends on
-    (so ``make unit`` / ``-m "not engine"`` runs only the fast tests)."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
-        func = getattr(item, "function", None)
-        if _ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or \
-                any(_starts_engine(d.func) for d in defs) or (func is not None and _starts_engine(func)):
-            item.add_marker(pytest.mark.engine)
+    unmarked = unmarked_engine_tests(items)
+    if unmarked:
+        raise pytest.UsageError("tests using an engine fixture without the engine mark (pytest.mark.engine):\n  "
+                                + "\n  ".join(unmarked))
     _run_enders_after_last_use(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    ServerProcess.engine_allowed = item.get_closest_marker("engine") is not None
+    try:
+        yield
+    finally:
+        ServerProcess.engine_allowed = None
 
 
 def ends_server(item: pytest.Item) -> str | None:
@@ -149,6 +159,7 @@ KEYED_MAX_MODEL_LEN, KEYED_MAX_NUM_SEQS = 128, 4
 LORA_CONTEXT = 4192  # the 4,000-token streams of test_engine_failure.py's stay-up test, after a short prompt
 FUZZ_ADMIN_KEY = "fuzz-admin-key-6b1e"
 FUZZ_MAX_MODEL_LEN = 64
+GRPC_BLOCK = 32  # grpc_a's KV block size: a few blocks of prompt publish KV events
 
 
 # What the default server answers right after its start, before any test can change it: a never-updated engine's
@@ -256,7 +267,11 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     timeout = start_timeout(2.5)
 
     def default() -> ServerProcess:
-        s = start_tito(tmp_path_factory, tiny_model, timeout=timeout)
+        # --grpc-port: the second gRPC replica of test_grpc*.py (``grpc_b``), whose SIGTERM test ends this server
+        # after its last user; nothing else observes the gRPC port.
+        grpc_port = free_port()
+        s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), timeout=timeout)
+        s.grpc_port = grpc_port
         s.fresh_answers = fresh_answers(s)
         return s
 
@@ -281,8 +296,8 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     def keyed() -> ServerProcess:
         # Both keys from the environment, as a deployment would pass them; LoRA; JSON request logs; small request caps
-        # (test_security.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between its
-        # users, and the default 1 GiB cache would be held for nothing. Tokens only (--skip-tokenizer-init): the
+        # (test_security_e2e.py's limits). 16 KV blocks (2,048 tokens, four full-length sequences): it idles between
+        # its users, and the default 1 GiB cache would be held for nothing. Tokens only (--skip-tokenizer-init): the
         # suite's tokens-only engine (test_openai.py checks its text routes refuse, its token-id completions work).
         return start_tito(tmp_path_factory, tiny_model, "--skip-tokenizer-init", "--enable-lora", "--max-lora-rank",
                           "8", "--log-requests",
@@ -318,6 +333,17 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
         return start
 
+    def grpc_replica(name: str, *extra: str, env: dict[str, str] | None = None) -> Callable[[], ServerProcess]:
+        def start() -> ServerProcess:
+            # No API key: smg 1.13 sends none to gRPC workers (test_grpc_auth.py tests the keys).
+            grpc_port = free_port()
+            s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), "--max-logprobs", "5", *extra,
+                           env=env, name=name, timeout=timeout)
+            s.grpc_port = grpc_port
+            return s
+
+        return start
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -326,13 +352,19 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
 
     # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
     # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
-    # too: its users are test_client.py and test_security.py, started when the first of them asks for it; and the
+    # too: its users are test_client.py and test_security_e2e.py, started when the first of them asks for it; and the
     # fuzzing one.
     servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
                                               "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
                                               "sidecar_a": sidecar_replica("sidecar-a", False),
-                                              "sidecar_b": sidecar_replica("sidecar-b", True)},
-                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b"}))
+                                              "sidecar_b": sidecar_replica("sidecar-b", True),
+                                              # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free
+                                              # ports on loopback).
+                                              "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0",
+                                                                     "--block-size", str(GRPC_BLOCK),
+                                                                     env={"VLLM_HOST_IP": "127.0.0.1"})},
+                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b",
+                                            "grpc_a"}))
     _SHARED.append(servers)
     yield servers
     _SHARED.clear()
@@ -360,7 +392,7 @@ def lora_tito(shared_servers: SharedServers) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def keyed_tito(shared_servers: SharedServers) -> ServerProcess:
-    """The shared server with API keys (test_client.py, test_security.py). Each module using it restores it at its
+    """The shared server with API keys (test_client.py, test_security_e2e.py). Each module using it restores it at its
     end."""
     return shared_servers.get("keyed_tito")
 
@@ -398,6 +430,26 @@ def sidecar_a(shared_servers: SharedServers) -> ServerProcess:
 def sidecar_b(shared_servers: SharedServers) -> ServerProcess:
     """The second replica, with its own Dynamo sidecar: test_sidecar_serve.py stops it with its last test."""
     return shared_servers.get("sidecar_b")
+
+
+@pytest.fixture(scope="module")
+def grpc_a(shared_servers: SharedServers) -> Replica:
+    """tito with ``--grpc-port`` and KV events (test_grpc.py, test_grpc_events.py)."""
+    from tests.grpc_client import Replica
+
+    s = shared_servers.get("grpc_a")
+    assert s.grpc_port is not None
+    return Replica(s, s.grpc_port)
+
+
+@pytest.fixture(scope="module")
+def grpc_b(tito: ServerProcess) -> Replica:
+    """The second gRPC replica, without KV events or LoRA: the default server's gRPC port (test_grpc_events.py's
+    SIGTERM test ends that server, after its last user)."""
+    from tests.grpc_client import Replica
+
+    assert tito.grpc_port is not None
+    return Replica(tito, tito.grpc_port)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ error envelopes and the client, in seconds.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,6 +19,14 @@ from app.engine.adapter import EngineDead, EngineRejected, ModelFacts
 FACTS = ModelFacts(name="fake-model", path="/models/fake", dtype="float32", max_model_len=512, vocab_size=512,
                    max_num_seqs=16, max_logprobs=20, priority_scheduling=False, data_parallel_size=1,
                    tensor_parallel_size=1, pipeline_parallel_size=1, enable_lora=False, max_loras=0, max_lora_rank=0)
+
+
+async def until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait (on the event loop the app runs on) until ``done()`` holds; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, f"not done after {timeout} s"
+        await asyncio.sleep(0.001)
 
 
 @dataclass
@@ -66,12 +74,16 @@ class FakeEngine:
     weight_version: str = "default"
     delta_fail: BaseException | None = None  # raised by the next delta_commit (after "changing" the model)
     delta_delay: float = 0.0  # seconds each delta_commit takes
+    # While cleared, delta_commit waits (after recording its call) until it is set: a commit held in its apply.
+    commit_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    held: int = 0  # generations waiting at the cleared ``gate`` right now
     _delta_version: str | None = None  # the version the "workers' copy" holds
     delta_ready_after: int | None = None  # a staged delta is "made ready" after this many status looks (None: never)
     _pending: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.gate.set()
+        self.commit_gate.set()
 
     @classmethod
     def with_lora(cls, **kw: Any) -> FakeEngine:
@@ -93,8 +105,12 @@ class FakeEngine:
         n, max_tokens = params.n, params.max_tokens or 4
         made: list[list[int]] = [[] for _ in range(n)]
         for step in range(max_tokens):
-            if step == 1:
-                await self.gate.wait()
+            if step == 1 and not self.gate.is_set():
+                self.held += 1
+                try:
+                    await self.gate.wait()
+                finally:
+                    self.held -= 1
             if request_id in self.aborted:
                 break
             for i in range(n):
@@ -200,6 +216,7 @@ class FakeEngine:
 
     async def delta_commit(self, path: str, base: str, version: str) -> list[Any]:
         self.calls.append(("delta_commit", {"path": path, "base": base, "version": version}))
+        await self.commit_gate.wait()
         await asyncio.sleep(self.delta_delay)
         if self.delta_fail is not None:
             err, self.delta_fail = self.delta_fail, None

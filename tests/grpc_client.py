@@ -1,5 +1,5 @@
-"""Test helpers for tito's gRPC surface: a client built from ``smg-grpc-proto``, tito replicas with ``--grpc-port``
-and the smg gateway in front of them."""
+"""Test helpers for tito's gRPC surface: a client built from ``smg-grpc-proto`` for the replicas with ``--grpc-port``
+(the shared ``grpc_a`` / ``grpc_b``, tests/conftest.py) and the smg gateway in front of them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+from tests.helpers import ServerProcess, engine_env, free_port
 
 
 @dataclass
@@ -43,21 +43,25 @@ class Replica:
         return httpx.Client(base_url=self.url, timeout=120.0)
 
 
-def start_replica(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str, *extra: str,
-                  env: dict[str, str] | None = None) -> Replica:
-    """tito with ``--grpc-port``, on free ports. No API key: smg 1.13 sends none to gRPC workers (its ``--api-key``
-    reaches HTTP workers only), so replicas behind it run without one; keys are tested in test_grpc_auth.py."""
-    port = free_port()
-    cmd = tito_cmd(model, free_port(), "--allowed-weight-root", str(tmp_path_factory.getbasetemp()),
-                   "--grpc-port", str(port), *extra)
-    server = ServerProcess(cmd, int(cmd[cmd.index("--port") + 1]), tmp_path_factory.mktemp("logs") / f"{name}.log",
-                           env=engine_env(env))
-    try:
-        # A generous start: two replicas start back to back, on a machine other engines may share.
-        return Replica(server.start(timeout=600), port)
-    except RuntimeError:
-        server.kill()
-        raise
+def admin_call(r: Replica, method: str, path: str, **kw: Any) -> httpx.Response:
+    """An HTTP call on the replica that must answer 200."""
+    with r.http() as c:
+        resp = c.request(method, path, **kw)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def health_of(r: Replica) -> dict[str, Any]:
+    with r.http() as c:
+        return c.get("/health").json()
+
+
+def until(pred: Any, timeout: float = 60.0, interval: float = 0.05) -> None:
+    """Poll ``pred()`` until it is truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"condition not met within {timeout}s"
+        time.sleep(interval)
 
 
 def gen_request(ids: Sequence[int], max_tokens: int, *, stream: bool = False, request_id: str = "",

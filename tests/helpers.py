@@ -53,6 +53,8 @@ class ServerProcess:
     kernel shares the CPU task by task."""
 
     starts: list[Start] = []  # every healthy start of this run, in order
+    # Set by tests/conftest.py while a test runs: whether it is marked ``engine`` (None outside a test, e.g. scripts).
+    engine_allowed: bool | None = None
 
     def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
                  health_path: str = "/health") -> None:
@@ -65,10 +67,13 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.first_answers: Any = None
         self.fresh_answers: Any = None  # what a shared server answered before any test (tests/conftest.py)
+        self.grpc_port: int | None = None  # a tito server's --grpc-port, when it has one
 
     def start(self, timeout: float = 240.0, on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
         """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
         answer of any status (a tito server is then still starting); what it returns is kept in ``first_answers``."""
+        if ServerProcess.engine_allowed is False:
+            raise RuntimeError(f"a test not marked engine (pytest.mark.engine) started a server: {self.cmd[:4]}")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         t0 = time.monotonic()
         module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]

@@ -37,6 +37,8 @@ from tests.streaming import (
     wait_for,
 )
 
+pytestmark = pytest.mark.engine
+
 BOUND_S = 5.0
 # Tokens per long request: seconds of decoding even on a quiet machine (480 tokens take ~1 s there, and the first
 # token a client sees can lag by as much when outputs are merged), so a request seen running is still running when

@@ -15,7 +15,7 @@ import pytest
 
 from app.tiny.model import tiny_state_dict
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port, restore_server
-from tests.test_weights import PROMPTS, Background, greedy, reference_greedy
+from tests.rl_steps import PROMPTS, Background, greedy, reference_greedy
 
 pytestmark = pytest.mark.engine
 

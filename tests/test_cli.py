@@ -92,6 +92,7 @@ def test_client_commands_report_a_dead_server_clearly() -> None:
 # ------------------------------------------------------------------------------------------------ shared server
 
 
+@pytest.mark.engine
 def test_generate_prints_the_tokens(tito_url: str) -> None:
     with TitoClient(tito_url) as c:
         want = c.generate([1, 2, 3], max_tokens=5, temperature=0, logprobs=1)
@@ -115,11 +116,13 @@ def test_generate_prints_the_tokens(tito_url: str) -> None:
     assert json.loads(out.stdout)["request_id"].startswith("generate-tokens-")
 
 
+@pytest.mark.engine
 def test_generate_shows_the_server_error(tito_url: str) -> None:
     out = tito("generate", "--tokens", "100000", "--url", tito_url)
     assert out.returncode == 1 and "400" in out.stderr and "100000" in out.stderr
 
 
+@pytest.mark.engine
 def test_status_summarizes_server_info(tito_url: str, tiny_model: Path) -> None:
     out = tito("status", "--url", tito_url)
     assert out.returncode == 0, out.stderr
@@ -136,6 +139,7 @@ def test_status_summarizes_server_info(tito_url: str, tiny_model: Path) -> None:
 # ------------------------------------------------------------------------------------------------ own server
 
 
+@pytest.mark.engine
 def test_drain_and_undrain(cli_server: ServerProcess) -> None:
     url = cli_server.url
     try:
@@ -152,6 +156,7 @@ def test_drain_and_undrain(cli_server: ServerProcess) -> None:
     assert tito("generate", "--tokens", "1,2", "--max-tokens", "1", "--url", url).returncode == 0
 
 
+@pytest.mark.engine
 def test_update_weights_shows_progress_and_time(cli_server: ServerProcess, tiny_model: Path) -> None:
     out = tito("update-weights", str(tiny_model), "--weight-version", "cli-v1", "--url", cli_server.url)
     assert out.returncode == 0, out.stderr
@@ -163,6 +168,7 @@ def test_update_weights_shows_progress_and_time(cli_server: ServerProcess, tiny_
     assert bad.returncode == 1 and "403" in bad.stderr
 
 
+@pytest.mark.engine
 def test_load_and_unload_lora(cli_server: ServerProcess, tmp_path: Path) -> None:
     from tests.test_client import _write_adapter
 
@@ -181,6 +187,7 @@ def test_load_and_unload_lora(cli_server: ServerProcess, tmp_path: Path) -> None
     assert "adapters        none" in tito("status", "--url", cli_server.url).stdout
 
 
+@pytest.mark.engine
 def test_pause_and_resume(cli_server: ServerProcess) -> None:
     try:
         out = tito("pause", "--url", cli_server.url)
@@ -202,6 +209,7 @@ def _stream_choices(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
 
 
+@pytest.mark.engine
 def test_stream_interval_sends_fewer_larger_events_with_the_same_tokens(cli_server: ServerProcess,
                                                                         tito_url: str) -> None:
     m, n = 25, STREAM_INTERVAL

@@ -113,6 +113,7 @@ async def test_async_client_sends_bearer_keys_by_plane() -> None:
 # ------------------------------------------------------------------------------------------------ shared server
 
 
+@pytest.mark.engine
 def test_generate_returns_typed_result_equal_to_raw_http(tc: TitoClient, client: httpx.Client) -> None:
     out = tc.generate(PROMPT, max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=1, request_id="c-typed")
     raw = client.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {
@@ -127,12 +128,14 @@ def test_generate_returns_typed_result_equal_to_raw_http(tc: TitoClient, client:
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
 
 
+@pytest.mark.engine
 def test_sampling_params_dict_and_keywords_merge(tc: TitoClient) -> None:
     out = tc.generate(PROMPT, {"max_tokens": 2, "temperature": 0, "n": 1}, max_tokens=3, return_token_ids=True)
     assert len(out.token_ids) == 3  # the keyword wins
     assert out.prompt_token_ids == PROMPT
 
 
+@pytest.mark.engine
 def test_sync_stream_yields_deltas_that_add_up(tc: TitoClient) -> None:
     full = tc.generate(PROMPT, max_tokens=8, temperature=0, logprobs=1)
     deltas = list(tc.generate_stream(PROMPT, max_tokens=8, temperature=0, logprobs=1, include_usage=True))
@@ -145,6 +148,7 @@ def test_sync_stream_yields_deltas_that_add_up(tc: TitoClient) -> None:
     assert deltas[-1].index == -1 and deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 8
 
 
+@pytest.mark.engine
 async def test_async_generate_stream_and_probes(tito_url: str) -> None:
     async with AsyncTitoClient(tito_url, timeout=120) as c:
         out, streamed = await asyncio.gather(
@@ -167,6 +171,7 @@ async def _collect(stream) -> list[int]:  # noqa: ANN001 - an async iterator of 
     return [t async for d in stream for t in d.token_ids]
 
 
+@pytest.mark.engine
 def test_sync_probes(tc: TitoClient) -> None:
     assert tc.health()["status"] == "ok"
     assert tc.liveness()["status"] == "ok"
@@ -180,6 +185,7 @@ def test_sync_probes(tc: TitoClient) -> None:
     assert tc.wait_healthy(timeout=5)["status"] == "ok"
 
 
+@pytest.mark.engine
 def test_errors_carry_the_server_envelope(tc: TitoClient) -> None:
     with pytest.raises(TitoError) as e:
         tc.generate([100000], max_tokens=1)
@@ -196,6 +202,7 @@ def test_errors_carry_the_server_envelope(tc: TitoClient) -> None:
 # ------------------------------------------------------------------------------------------------ own server
 
 
+@pytest.mark.engine
 def test_keys_are_required_and_sent(admin_server: ServerProcess, admin: TitoClient) -> None:
     with TitoClient(admin_server.url) as anon, pytest.raises(TitoError) as e:
         anon.generate(PROMPT, max_tokens=1)
@@ -209,6 +216,7 @@ def test_keys_are_required_and_sent(admin_server: ServerProcess, admin: TitoClie
     assert admin.is_paused() is False
 
 
+@pytest.mark.engine
 async def test_abort_ends_a_running_stream_with_finish_reason_abort(admin_server: ServerProcess) -> None:
     # The engine is frozen (pause mode=keep) before the request arrives, so it is certainly still running when aborted
     # however slow or fast the machine: the tiny model can finish all its tokens before a client reads its first event.
@@ -240,6 +248,7 @@ async def test_abort_ends_a_running_stream_with_finish_reason_abort(admin_server
     assert reasons == ["abort"] and len(got) < max_tokens
 
 
+@pytest.mark.engine
 def test_pause_resume(admin: TitoClient) -> None:
     try:
         assert admin.pause(mode="keep", clear_cache=False)["status"] == "paused"
@@ -251,6 +260,7 @@ def test_pause_resume(admin: TitoClient) -> None:
     assert len(admin.generate(PROMPT, max_tokens=2).token_ids) == 2
 
 
+@pytest.mark.engine
 def test_drain_refuses_new_work_until_undrain(admin: TitoClient) -> None:
     try:
         out = admin.drain(timeout=10)
@@ -264,6 +274,7 @@ def test_drain_refuses_new_work_until_undrain(admin: TitoClient) -> None:
     assert len(admin.generate(PROMPT, max_tokens=1).token_ids) == 1
 
 
+@pytest.mark.engine
 def test_update_weights_from_disk_sets_the_version(admin: TitoClient, tiny_model: Path) -> None:
     before = admin.generate(PROMPT, max_tokens=4, temperature=0)
     out = admin.update_weights(str(tiny_model), weight_version="client-v1")
@@ -299,6 +310,7 @@ def _write_adapter(path: Path, seed: int) -> Path:
     return path
 
 
+@pytest.mark.engine
 def test_lora_load_reload_and_unload(admin: TitoClient, tmp_path: Path) -> None:
     a1, a2 = _write_adapter(tmp_path / "a1", 1), _write_adapter(tmp_path / "a2", 2)
     try:
@@ -323,6 +335,7 @@ def test_lora_load_reload_and_unload(admin: TitoClient, tmp_path: Path) -> None:
     assert e.value.status == 404
 
 
+@pytest.mark.engine
 def test_init_broadcaster_joins_a_trainer_group(admin: TitoClient) -> None:
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -344,6 +357,7 @@ def test_init_broadcaster_joins_a_trainer_group(admin: TitoClient) -> None:
     assert out["status"] == "ok" and out["ranks"] == [1] and out["world_size"] == 2
 
 
+@pytest.mark.engine
 def test_request_log_lines_are_json_with_the_request_id(admin_server: ServerProcess, admin: TitoClient) -> None:
     rid = f"log-{uuid.uuid4().hex[:8]}"
     admin.generate(PROMPT, max_tokens=1, request_id=rid)
@@ -368,6 +382,7 @@ def test_request_log_lines_are_json_with_the_request_id(admin_server: ServerProc
     assert all(r.get("request_id") for r in access)
 
 
+@pytest.mark.engine
 async def test_async_client_admin_methods(admin_server: ServerProcess, tiny_model: Path, tmp_path: Path) -> None:
     adapter = _write_adapter(tmp_path / "async-a", 5)
     async with AsyncTitoClient(admin_server.url, api_key=DATA_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:

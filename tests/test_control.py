@@ -23,6 +23,8 @@ from tests.conftest import LONG_CONTEXT
 from tests.helpers import ServerProcess, engine_env, free_port, restore_server, tito_cmd
 from tests.streaming import GEN, async_client, inflight, long_context_model, wait_for
 
+pytestmark = pytest.mark.engine
+
 ENDLESS = 60000  # fits the shared long-context server
 
 

@@ -16,6 +16,8 @@ from tests.conftest import start_timeout, start_tito
 from tests.helpers import ServerProcess, free_port, metric_value
 from tests.sweep import fire, shapes
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temperature": 0}}
 

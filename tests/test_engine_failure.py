@@ -31,6 +31,8 @@ from tests.helpers import (
 )
 from tests.streaming import GEN, async_client, read_stream, stream_body, wait_for, wait_gone
 
+pytestmark = pytest.mark.engine
+
 BOUND_S = 2.0
 STREAMS_BOUND_S = 10.0
 LONG = 4000
@@ -132,9 +134,15 @@ def test_engine_death_stays_up_for_inspection(ending_server: ServerProcess) -> N
     # --engine-death-exit-delay 0.5).
     s = ending_server
     assert s.proc is not None
+    log_start = len(s.log_text())
     seen = asyncio.run(_kill_and_observe(s, 2))
     _check_dead(seen)
-    time.sleep(3)  # well past the exit delay
+    # The watcher's decision (app/main.py): it logs that it stays up where it would otherwise schedule the exit.
+    deadline = time.monotonic() + 30
+    while "staying up for inspection" not in s.log_text()[log_start:]:
+        assert time.monotonic() < deadline and s.proc.poll() is None, s.log_tail()
+        time.sleep(0.05)
+    assert "exiting with code 1" not in s.log_text()[log_start:]
     assert s.proc.poll() is None
     r = httpx.get(s.url + "/health", timeout=30)
     assert r.status_code == 503 and r.json()["status"] == "dead"

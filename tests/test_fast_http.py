@@ -17,7 +17,7 @@ import pytest
 from app.client import AsyncTitoClient, TitoError
 from app.core.settings import Settings
 from app.main import create_app
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine, until
 from tests.test_bad_input import CASES
 
 GEN = "/inference/v1/generate"
@@ -107,8 +107,7 @@ async def test_drain_refuses_new_work_and_waits_for_inflight() -> None:
     eng.gate.clear()  # generations stop after their first token until released
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(GEN, json=OK))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         drain = await c.post("/drain", json={"timeout": 0.05})
         assert drain.json()["status"] == "timeout" and drain.json()["still_running"] == 1
         refused = await c.post(GEN, json=OK)
@@ -129,8 +128,7 @@ async def test_abort_by_client_id_answers_partial_tokens() -> None:
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(GEN, json={**OK, "request_id": "r1",
                                                           "sampling_params": {"max_tokens": 10}}))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         assert (await c.post("/abort_requests", json={"request_ids": ["r1"]})).json() == \
             {"status": "aborted", "aborted": 1}
         choice = (await running).json()["choices"][0]

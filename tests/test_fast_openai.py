@@ -1,7 +1,7 @@
 """Fast tests of the HTTP semantics of vLLM's OpenAI routes (routers/openai.py), /reset_prefix_cache and vLLM's keys
 in /server_info, on the fake engine (tests/fake_engine.py, tests/fake_openai.py): admission and drain, in-flight
-accounting, request identity, body checks, key planes, the tokens-only answers. The real-engine tests
-(tests/test_openai.py, tests/test_trainers.py) are the evidence that the routes work."""
+accounting, request identity, body checks, key planes. The real-engine tests (tests/test_openai.py, among them the text
+routes' refusals on the tokens-only server; tests/test_trainers.py) are the evidence that the routes work."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from tests.fake_engine import FACTS, FakeEngine
+from tests.fake_engine import FACTS, FakeEngine, until
 from tests.test_fast_http import serve
 
 CMPL = "/v1/completions"
@@ -41,8 +41,7 @@ async def test_drain_refuses_completions_and_waits_for_them() -> None:
     eng.gate.clear()
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(CMPL, json=OK))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         assert (await c.get("/health")).json()["inflight"] == 1
         drain = await c.post("/drain", json={"timeout": 0.05})
         assert drain.json()["status"] == "timeout" and drain.json()["still_running"] == 1
@@ -60,8 +59,7 @@ async def test_abort_by_the_completion_id() -> None:
     eng.gate.clear()
     async with serve(eng) as (c, _):
         running = asyncio.ensure_future(c.post(CMPL, json={**OK, "max_tokens": 50}, headers={"X-Request-Id": "r1"}))
-        while eng.started == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: eng.started > 0)
         r = await c.post("/abort_requests", json={"request_ids": ["r1"]})  # the bare id names cmpl-r1 too
         assert r.json() == {"status": "aborted", "aborted": 1}
         body = (await running).json()
@@ -84,21 +82,6 @@ async def test_bad_bodies_are_4xx_before_the_engine() -> None:
         r = await c.post(CMPL, json=OK, headers={"X-data-parallel-rank": "3"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-data-parallel-rank"
         assert eng.started == 0
-
-
-async def test_text_routes_without_a_tokenizer_are_a_clear_400() -> None:
-    async with serve() as (c, eng):
-        for path, body in ((CMPL, {"prompt": "hello"}), ("/v1/chat/completions", {"messages": []}),
-                           ("/v1/chat/completions/render", {"messages": []}), ("/tokenize", {"prompt": "hi"}),
-                           ("/detokenize", {"tokens": [1]})):
-            r = await c.post(path, json=body)
-            assert r.status_code == 400, (path, r.text)
-            assert "needs a tokenizer" in r.json()["error"]["message"]
-        assert eng.started == 0
-        assert (await c.post(CMPL, json=OK)).status_code == 200  # token ids need none
-    async with serve(_with_tokenizer()) as (c, _):
-        assert (await c.post("/tokenize", json={"prompt": "hi"})).json()["tokens"] == [104, 105]
-        assert (await c.post(CMPL, json={"prompt": "ab", "max_tokens": 2})).status_code == 200
 
 
 async def test_keys_by_plane_for_the_new_routes() -> None:
@@ -129,14 +112,17 @@ async def test_reset_prefix_cache_takes_vllms_query_and_skyrls_body() -> None:
         assert {"call": "reset_prefix_cache", "outcome": "ok"} in recent  # a control-plane transition
 
 
-async def test_server_info_carries_vllms_keys() -> None:
-    async with serve() as (c, _):
-        info = (await c.get("/server_info", params={"config_format": "json"})).json()
-        assert info["vllm_config"]["model_config"]["dtype"] == "torch.float32"
-        assert info["vllm_config"]["weight_transfer_config"] is None
-        assert info["schema_version"] == 1 and info["model"]["tokenizer_loaded"] is False
-        assert isinstance((await c.get("/server_info")).json()["vllm_config"], str)  # vLLM's default: text
-        assert (await c.get("/server_info", params={"config_format": "yaml"})).status_code == 400
+async def test_server_info_adds_the_engines_vllm_keys() -> None:
+    """tito's /server_info puts the engine adapter's vLLM keys beside its own sections, in the format asked for (text
+    by default, as vLLM's), and checks the format itself. The keys' values are vLLM's: test_openai.py checks them on a
+    real engine."""
+    async with serve() as (c, eng):
+        for params, fmt in (({"config_format": "json"}, "json"), ({"config_format": "text"}, "text"), ({}, "text")):
+            info = (await c.get("/server_info", params=params)).json()
+            assert {k: info[k] for k in ("vllm_config", "vllm_env")} == eng.vllm_server_info(fmt), params
+            assert info["schema_version"] == 1 and info["model"]["tokenizer_loaded"] is False
+        r = await c.get("/server_info", params={"config_format": "yaml"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query.config_format", r.text
 
 
 async def test_any_client_id_makes_a_valid_engine_id_header() -> None:

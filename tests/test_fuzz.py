@@ -25,6 +25,8 @@ from app.server.security import Plane, classify
 from tests.conftest import FUZZ_ADMIN_KEY as ADMIN_KEY
 from tests.helpers import ServerProcess, restore_server
 
+pytestmark = pytest.mark.engine
+
 EXAMPLES = 40
 GENERATE = "/inference/v1/generate"
 GENERATE_EXAMPLES = 200
@@ -102,7 +104,7 @@ def _in_vocab(case: Any) -> Any:
 BODY_KEYS = ("weight_dir", "weight_version", "timeout", "update_info", "init_info", "new_version", "request_ids",
              "lora_name", "lora_path", "load_inplace", "mode", "reset_running_requests", "reset_external")
 # Finite floats only: the HTTP client itself cannot encode NaN/Infinity as JSON (raw non-finite bodies are sent in
-# tests/test_security.py).
+# tests/test_security_e2e.py).
 _SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
             | st.text(max_size=20))
 _JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,

@@ -7,6 +7,8 @@ import json
 import httpx
 import pytest
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42], [7] * 12 + [400, 401, 402], list(range(100, 160))]
 

@@ -75,6 +75,14 @@ def publisher() -> Iterator[tuple[ZmqEventPublisher, str, str]]:
 _SENT: dict[int, int] = {}  # publisher id -> batches published (the next batch's sequence)
 
 
+def _published(pub: ZmqEventPublisher, timeout: float = 10.0) -> None:
+    """Wait until the publisher's thread has sent (and buffered for replay) every batch handed to it."""
+    deadline = time.monotonic() + timeout
+    while pub._event_queue.unfinished_tasks:  # task_done() once a batch is sent and in the replay buffer
+        assert time.monotonic() < deadline, "the publisher did not send its batches"
+        time.sleep(0.005)
+
+
 def _publish(pub: ZmqEventPublisher, n: int) -> None:
     """``n`` batches, each one block whose tokens are its sequence number twice."""
     for _ in range(n):
@@ -111,7 +119,7 @@ async def _collect(endpoint: str, replay: str | None, start: int, until_seq: int
 def test_stream_resumes_from_the_replay_buffer_then_goes_live(publisher: tuple[ZmqEventPublisher, str, str]) -> None:
     pub, endpoint, replay = publisher
     _publish(pub, 4)  # sequences 0..3, all in the buffer of 4
-    time.sleep(0.5)
+    _published(pub)
     seqs = asyncio.run(_collect(endpoint, replay, 2, 5, pub))
     assert seqs[:2] == [2, 3]  # replayed, from the cursor on
     assert seqs[-1] >= 5 and seqs == sorted(set(seqs))  # then live, increasing, no duplicates
@@ -120,7 +128,7 @@ def test_stream_resumes_from_the_replay_buffer_then_goes_live(publisher: tuple[Z
 def test_a_cursor_the_buffer_no_longer_holds_is_refused(publisher: tuple[ZmqEventPublisher, str, str]) -> None:
     pub, endpoint, replay = publisher
     _publish(pub, 7)  # the buffer of 4 keeps 3..6
-    time.sleep(0.5)
+    _published(pub)
     with pytest.raises(CursorExpired, match="starts at 3"):
         asyncio.run(_collect(endpoint, replay, 1, 99, pub))
     with pytest.raises(CursorExpired, match="no replay buffer"):
@@ -130,6 +138,6 @@ def test_a_cursor_the_buffer_no_longer_holds_is_refused(publisher: tuple[ZmqEven
 def test_start_zero_streams_from_now(publisher: tuple[ZmqEventPublisher, str, str]) -> None:
     pub, endpoint, _ = publisher
     _publish(pub, 3)
-    time.sleep(0.5)
+    _published(pub)
     seqs = asyncio.run(_collect(endpoint, None, 0, 4, pub))
     assert seqs and seqs[0] >= 3 and seqs == sorted(set(seqs))  # nothing from before the subscription

@@ -2,10 +2,10 @@
 counters each answer moved and what the engine was handed, for JSON and SSE answers, every error envelope on the
 route's path (bad input, auth, body limit, content type, admission, engine failures) and both planes' keys.
 
-``tests/golden/http_bytes.json`` is written by main's route, the FastAPI one without the lean path (issue 29): run
-this file with ``TITO_WRITE_GOLDEN=1`` in a checkout of main (it asks for ``lean=`` only when off, so main's
-``create_app`` takes it). Any change to the wire then shows up here as a diff. Regenerate only for an intended wire
-change, from the route that defines it (and say why in the commit).
+``tests/golden/http_bytes.json`` was written by the FastAPI route from before the lean path, with
+``scripts/write_golden.py`` (it asks for no ``lean=``, so a ``create_app`` without that argument takes it). Any change
+to the wire then shows up here as a diff. Regenerate only for an intended wire change, from the route that defines it
+(and say why in the commit).
 
 Driven through ASGI (no sockets) on the fake engine, with an engine fake that also returns logprobs, prompt logprobs,
 weight-version spans and cached-token counts so the general answer forms are covered too.
@@ -14,13 +14,12 @@ weight-version spans and cached-token counts so the general answer forms are cov
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
-import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,11 +27,11 @@ from prometheus_client import REGISTRY
 
 from app.core.settings import Settings
 from app.main import create_app
-from tests.fake_engine import FakeEngine, FakeOutput
+from tests.fake_engine import FakeEngine, FakeOutput, until
+from tests.helpers import ROOT
+from tests.security_checks import GOLDEN, HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
-from tests.test_security import HOSTILE_NUMBERS, HOSTILE_RAW
 
-GOLDEN = Path(__file__).parent / "golden" / "http_bytes.json"
 GEN = "/inference/v1/generate"
 JSON_CT = ("Content-Type", "application/json")
 
@@ -336,24 +335,12 @@ def _load() -> dict[str, Any]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-async def test_write_golden_when_asked() -> None:
-    if not os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("TITO_WRITE_GOLDEN unset: the golden file is only written for an intended wire change")
-    out = {}
-    for name, variant, req in CASES:
-        out[name] = await run_case(variant, req)
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-
-
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "stack"])
 @pytest.mark.parametrize("name,variant,req", CASES, ids=[c[0] for c in CASES])
 async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, Any], lean: bool) -> None:
     """Both ways the route is served (the lean path, and through the middleware stack) give the pinned answer."""
     golden = _load()
-    if os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("writing the golden file")
-    assert name in golden, f"no golden answer for {name!r}: regenerate with TITO_WRITE_GOLDEN=1"
+    assert name in golden, f"no golden answer for {name!r}: regenerate with scripts/write_golden.py"
     got = await run_case(variant, req, lean)
     want = golden[name]
     assert got["status"] == want["status"], (got["status"], got["body"][:300])
@@ -365,9 +352,16 @@ async def test_answer_is_byte_identical(name: str, variant: str, req: dict[str, 
     assert got["params"] == want["params"]
 
 
+async def test_the_writer_script_reproduces_the_golden_file() -> None:
+    """scripts/write_golden.py (the only writer of the file) renders it byte for byte from the current route."""
+    spec = importlib.util.spec_from_file_location("write_golden", ROOT / "scripts" / "write_golden.py")
+    assert spec is not None and spec.loader is not None
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    assert await writer.render() == GOLDEN.read_text()
+
+
 def test_every_case_has_a_golden_answer() -> None:
-    if os.environ.get("TITO_WRITE_GOLDEN"):
-        pytest.skip("writing the golden file")
     assert sorted(_load()) == sorted(name for name, _, _ in CASES)
 
 
@@ -409,9 +403,7 @@ async def _leave(app: Any, eng: RichEngine, body: dict[str, Any] | None, *, mid_
     before = _metrics()
     task = asyncio.ensure_future(app(scope, receive, send))
     if not mid_body:
-        while eng.started == 0:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)
+        await until(lambda: eng.held == 1)  # its first token made (and, streaming, sent), held at the gate
         gone.set()
     raised = None
     try:
@@ -431,8 +423,8 @@ async def test_a_client_leaving_is_handled_alike(kind: str, lean: bool) -> None:
                                                  "sampling_params": {"max_tokens": 10}}
         status, raised, moved = await _leave(app, eng, body, mid_body=kind == "mid-body")
         state = app.state.tito
-        await asyncio.sleep(0.05)  # the stream's abort runs in the background
-        assert state.inflight == 0 and not state.live
+        # The abort runs in the background: wait until the request has left (and, past the body, was aborted).
+        await until(lambda: state.inflight == 0 and not state.live and (kind == "mid-body" or bool(eng.aborted)))
         if kind == "mid-body":  # Starlette's ClientDisconnect, answered as an unexpected error
             assert (status, raised) == (500, "ClientDisconnect") and eng.started == 0
             assert moved == {"tito_requests_total" + route % 500: 1.0}

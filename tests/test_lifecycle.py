@@ -41,6 +41,8 @@ from tests.streaming import (
     wait_gone,
 )
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def server(tito: ServerProcess) -> Iterator[ServerProcess]:

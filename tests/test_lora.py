@@ -24,6 +24,8 @@ from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.reference import Reference
 from tests.sweep import fire, prompt_logprob_shapes, shapes
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 RANK, ALPHA = 8, 16
 PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42, 9]]

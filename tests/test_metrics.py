@@ -21,6 +21,8 @@ from tests.helpers import (
 )
 from tests.streaming import long_context_model
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 # What orchestrator/concurrency.py needs (prime-rl-contract.md §4).
 ENGINE_FAMILIES = ["vllm:cache_config_info", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",

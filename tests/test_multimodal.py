@@ -207,6 +207,7 @@ def same_answer(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert max(abs(x - y) for x, y in zip(lps(a), lps(b), strict=True)) <= 1e-4
 
 
+@pytest.mark.engine
 def test_content_parts_match_vllm(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) -> None:
     ids = prompt_ids(tok)
     answers: dict[str, list[dict[str, Any]]] = {}
@@ -229,6 +230,7 @@ def test_content_parts_match_vllm(tito_vlm: ServerProcess, vllm_vlm: str, tok: A
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == answers["red"][0]["choices"][0]["token_ids"]
 
 
+@pytest.mark.engine
 def test_rendered_features_match_content_parts(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) -> None:
     """vLLM's render step → tito's generate: the same answer as content_parts, though the rendered ranges cover the
     fake/global tokens (vLLM's own engine dies on exactly this request)."""
@@ -260,6 +262,7 @@ def test_rendered_features_match_content_parts(tito_vlm: ServerProcess, vllm_vlm
     same_answer(again.json(), by_parts.json())
 
 
+@pytest.mark.engine
 def test_prefix_cache_keyed_by_image(tito_vlm: ServerProcess, tok: Any) -> None:
     # Longer than one KV block, so whole blocks (holding the image) can be reused.
     ids = prompt_ids(tok, "describe this picture please " * 16)
@@ -293,6 +296,7 @@ BAD: list[tuple[str, dict[str, Any], int, str]] = [
 ]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(("name", "extra", "status", "words"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_then_good(tito_vlm: ServerProcess, tok: Any, name: str, extra: dict[str, Any], status: int,
                              words: str) -> None:
@@ -303,6 +307,7 @@ def test_bad_input_then_good(tito_vlm: ServerProcess, tok: Any, name: str, extra
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == SP["max_tokens"], ok.text
 
 
+@pytest.mark.engine
 def test_expanded_ids_refused(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) -> None:
     body = {"token_ids": prompt_ids(tok), "sampling_params": SP, "content_parts": [image_part("red")],
             "return_token_ids": True}
@@ -311,6 +316,7 @@ def test_expanded_ids_refused(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) 
     assert r.status_code == 400 and "already expanded" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.engine
 def test_trainer_request_shapes_together_keep_the_engine(tito_vlm: ServerProcess, tok: Any) -> None:
     """Issue 31's sweep on the VLM: the text shapes and image requests (a group, prompt logprobs, a stream, two
     images) at once."""
@@ -328,6 +334,7 @@ def test_trainer_request_shapes_together_keep_the_engine(tito_vlm: ServerProcess
     }})
 
 
+@pytest.mark.engine
 def test_client_and_cli_images(tito_vlm: ServerProcess, media_dir: Path, tok: Any) -> None:
     from app.client import TitoClient
 

@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import ADMIN_KEY, DATA_KEY
 from tests.helpers import ServerProcess, metric_value, restore_server
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -213,6 +215,7 @@ def test_a_tokens_only_server_serves_token_ids_and_refuses_text(keyed_tito: Serv
                                "return_token_ids": True})
         assert [t for e in events(r.text) for t in e["choices"][0]["token_ids"]] == want["token_ids"]
         for path, body, param in ((CMPL, {"prompt": "hello"}, "prompt"), (CHAT, {"messages": MESSAGES}, None),
+                                  ("/v1/chat/completions/render", {"messages": MESSAGES}, None),
                                   ("/tokenize", {"prompt": "x"}, None), ("/detokenize", {"tokens": [1]}, None),
                                   (CMPL, {"prompt": prompt, "stop": ["a"]}, "stop"),
                                   (CMPL, {"prompt": prompt, "echo": True}, "echo"),

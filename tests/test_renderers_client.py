@@ -9,6 +9,8 @@ import orjson
 import pytest
 from renderers.client import MalformedGenerateResponseError, _parse_completion_logprobs, parse_generate_response
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 
 

@@ -21,7 +21,7 @@ import pytest
 from app.tiny.model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, greedy_answer, metric_value
-from tests.test_weights import GEN, PROMPTS, greedy, write_step
+from tests.rl_steps import GEN, PROMPTS, greedy, write_step
 
 pytestmark = pytest.mark.engine
 CONTEXT = 4096

@@ -37,6 +37,8 @@ from tests.sidecar import (
 )
 from tests.streaming import GEN
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = [[17, 250, 33, 401, 9, 77], [1, 300, 301, 302]]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -44,8 +44,9 @@ from tests.sidecar import (
 )
 from tests.streaming import GEN
 
-pytestmark = pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
-                                "installed; `make test` installs it")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
+                                 "installed; `make test` installs it")]
 PROMPTS = [[17, 250, 33, 401, 9, 77], [1, 300, 301, 302]]
 EVENTS_S = 1.0  # time for KV events to reach the frontend's router (they take milliseconds on an idle machine)
 
@@ -345,7 +346,7 @@ def test_trainer_finds_the_replicas_through_dynamo_and_updates_weights_three_tim
     sizes summing to its inference world size, as Prime-RL requires), then per step posts Prime-RL's admin calls to
     every admin_base_url (pause keep, /update_weights, resume), generates through the frontend, and checks the
     tokens against transformers on the step's weights; no process restarts."""
-    from tests.test_weights import reference_greedy, write_step
+    from tests.rl_steps import reference_greedy, write_step
 
     fe, rl_url = frontend
     first, second = rl_workers(rl_url), rl_workers(rl_url)

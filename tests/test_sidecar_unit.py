@@ -4,10 +4,10 @@ loopback peers, health) on tito's real gRPC server over a stand-in state."""
 
 from __future__ import annotations
 
+import select
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,7 @@ def detok(tiny_model: Path) -> Detokenizer:
     return d
 
 
+@pytest.mark.engine
 def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("The sea was calm, and the ship sailed on.").ids
@@ -177,6 +178,7 @@ def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     assert Detokenizer.load(str(ROOT / "no-such-model")) is None
 
 
+@pytest.mark.engine
 def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("one two three four five").ids
@@ -339,9 +341,12 @@ def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
     from app.dynamo.sidecar import stop
 
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('ready', flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE)
     try:
-        time.sleep(0.5)  # its handler is installed
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 30)  # its handler is installed
+        assert ready and child.stdout.readline() == b"ready\n"
         assert stop(child, timeout=10) == 7
     finally:
         child.kill()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from app.tiny.model import make_tiny_model
 from tests.helpers import ROOT, ServerProcess
@@ -28,6 +29,7 @@ def _soak_module():  # noqa: ANN202 - the script's module
     return mod
 
 
+@pytest.mark.engine
 def test_short_soak_loses_nothing(tito: ServerProcess, tiny_model: Path, tmp_path: Path) -> None:
     soak = _soak_module()
     other = make_tiny_model(tmp_path / "ckpt-b", seed=1)

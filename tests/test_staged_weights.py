@@ -20,7 +20,7 @@ from tests import prime_stage_client as prime
 from tests.conftest import FRESH_BODIES, fault_file
 from tests.delta_encoder import BAD_DELTAS, perturb, write_delta
 from tests.helpers import ServerProcess, greedy_answer, restore_server
-from tests.test_weights import PROMPTS, greedy, reference_greedy, start_endless, write_step
+from tests.rl_steps import PROMPTS, greedy, reference_greedy, start_endless, write_step
 
 pytestmark = pytest.mark.engine
 T = TypeVar("T")

@@ -67,6 +67,14 @@ def _calls(eng: FakeEngine, name: str) -> list[Any]:
     return [kw for n, kw in eng.calls if n == name]
 
 
+async def _applying(eng: FakeEngine, n: int, timeout: float = 10.0) -> None:
+    """Wait until the ``n``-th commit has reached the engine (it then holds at the cleared ``commit_gate``)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(_calls(eng, "delta_commit")) < n:
+        assert asyncio.get_running_loop().time() < deadline, eng.calls
+        await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("transport", prime.TRANSPORTS)
 async def test_prime_sequence_over_each_transport(model_dir: Path, root: Path, steps: dict[str, Path],
                                                   transport: str) -> None:
@@ -244,10 +252,12 @@ async def test_concurrent_commits_apply_once_and_a_failed_apply_is_dirty(model_d
         assert [r.status_code for r in rs] == [200] * 3 and len(_calls(eng, "delta_commit")) == 1
         # A commit is a weight update: a disk update meanwhile is refused.
         await prime.stage(c, steps["step_2"], "2", "1", "path")
+        eng.commit_gate.clear()  # the commit holds in its apply until the disk update has been refused
         commit = asyncio.ensure_future(c.post("/commit", data={"version": "2", "mode": "delta"}))
-        await asyncio.sleep(0.05)
+        await _applying(eng, 2)
         r = await c.post("/update_weights", json={"weight_dir": str(model_dir)})
         assert r.status_code == 409, r.text
+        eng.commit_gate.set()
         assert (await commit).status_code == 200
         # An apply that fails after the model started to change: 500, dirty; stage and resume 409 until a reload.
         d = write_delta(root / "step_3" / "delta.safetensors", tiny_state_dict(), perturb(tiny_state_dict(), .01, 3))
@@ -345,11 +355,13 @@ async def test_commit_and_vllms_native_transfer_are_one_update_at_a_time(model_d
         # A native start while a commit applies: 409, the commit completes.
         assert (await c.post("/reload_weights")).status_code == 200
         await prime.stage(c, steps["step_1"], "1", "base", "path")
+        eng.commit_gate.clear()
         commit = asyncio.ensure_future(c.post("/commit", data={"version": "1", "mode": "delta"}))
-        await asyncio.sleep(0.05)
+        await _applying(eng, 1)
         with pytest.raises(ApiError) as e:
             await native("start", eng.start_weight_update)
         assert e.value.status == 409
+        eng.commit_gate.set()
         assert (await commit).status_code == 200 and eng.weight_version == "1"
 
 

@@ -27,6 +27,8 @@ import pytest
 
 from tests.helpers import ServerProcess, restore_server
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 DRIVERS = Path(__file__).parent / "trainer_clients"
 TOL = 1e-4

@@ -15,6 +15,8 @@ import pytest
 from tests.helpers import ServerProcess
 from tests.test_generate import sse_events
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 
 # Keys tito adds on purpose (logprob compatibility keys; cached-token counts in the stream usage chunk).

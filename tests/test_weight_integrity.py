@@ -21,8 +21,7 @@ import pytest
 from app.tiny.model import tiny_state_dict
 from tests.conftest import fault_file
 from tests.helpers import ServerProcess, free_port, greedy_answer, metric_value, restore_server
-from tests.test_broadcast import Sender, init
-from tests.test_weights import (
+from tests.rl_steps import (
     ENDLESS,
     GEN,
     PROMPTS,
@@ -33,6 +32,7 @@ from tests.test_weights import (
     update,
     write_step,
 )
+from tests.test_broadcast import Sender, init
 
 pytestmark = pytest.mark.engine
 MESSAGE = re.compile(r"^weights are inconsistent after a failed update \((?P<cause>.+)\); "
