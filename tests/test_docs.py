@@ -4,7 +4,7 @@
 - every ``tito`` command in a shell block of README or docs/ parses with tito's own argument parser, every
   ``make`` target exists, every ``python scripts/...`` names a script that exists;
 - every ``TITO_*`` variable they name exists (a flag's, or one the code reads);
-- every route in the HTTP API table is served;
+- every route in the HTTP API table is served, every /server_info key is on its page;
 - README stays a front page (≤ 250 lines, its links resolve), and no page carries internal issue numbers or commit
   hashes.
 """
@@ -120,6 +120,22 @@ def test_api_table_routes_are_served():
     for cell in rows:
         for path in re.findall(r"`(/[^`?]*)", cell):
             assert path in served, f"docs/reference/api.md lists {path}, which the app does not serve"
+
+
+async def test_server_info_keys_are_documented():
+    """Every section of /server_info and every key in it (but vLLM's own ``vllm_config`` / ``vllm_env``) is named on
+    the server-info page: the schema only grows, and its page grows with it."""
+    from tests.test_fast_http import serve
+
+    page = (DOCS / "reference" / "server-info.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", page))
+    async with serve() as (client, _):
+        info = (await client.get("/server_info")).json()
+    missing = [section for section in info if section not in documented]
+    for section, value in info.items():
+        if isinstance(value, dict) and section not in ("vllm_config", "vllm_env"):
+            missing += [f"{section}.{key}" for key in value if key not in documented]
+    assert len(info) >= 8 and not missing, f"docs/reference/server-info.md does not name {missing}"
 
 
 def test_readme_is_a_front_page():
