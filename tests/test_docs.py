@@ -95,6 +95,14 @@ def test_tito_commands_parse(page: Path, capsys: pytest.CaptureFixture[str]) -> 
             assert (ROOT / argv[1]).is_file(), f"{_name(page)}: {argv[1]} does not exist"
 
 
+def test_every_tito_command_is_documented():
+    commands = re.search(r"\{([\w,-]+)\}", build_parser().format_usage())
+    assert commands is not None
+    page = (DOCS / "guides" / "client.md").read_text()
+    missing = [c for c in commands.group(1).split(",") if f"`tito {c}" not in page]
+    assert len(commands.group(1).split(",")) > 5 and not missing, f"docs/guides/client.md lacks {missing}"
+
+
 def test_tito_variables_exist():
     known = {f.env for f in FLAGS}
     for where in ("app", "routers", "tests", "scripts"):
