@@ -4,7 +4,8 @@
 - every ``tito`` command in a shell block of README or docs/ parses with tito's own argument parser, every
   ``make`` target exists, every ``python scripts/...`` names a script that exists;
 - every ``TITO_*`` variable they name exists (a flag's, or one the code reads);
-- every route in the HTTP API table is served, every /server_info key is on its page;
+- every route in the HTTP API table is served, every /server_info key is on its page, every ``tito`` subcommand is
+  in the client guide;
 - README stays a front page (≤ 250 lines, its links resolve), and no page carries internal issue numbers or commit
   hashes.
 """
@@ -128,6 +129,58 @@ def test_api_table_routes_are_served():
     for cell in rows:
         for path in re.findall(r"`(/[^`?]*)", cell):
             assert path in served, f"docs/reference/api.md lists {path}, which the app does not serve"
+
+
+# The pages whose curl examples against localhost:8000 a newcomer pastes first; the engine test below sends them.
+CURL_PAGES = [README, DOCS / "getting-started.md", DOCS / "guides" / "generation.md"]
+CURL_PATHS = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _curl_examples() -> list[tuple[str, str, dict]]:
+    """(page, path, JSON body) of every ``curl localhost:8000<path> ... -d '<json>'`` on CURL_PAGES."""
+    import json
+
+    out = []
+    for page in CURL_PAGES:
+        for argv in _shell_commands(page.read_text()):
+            if Path(argv[0]).name != "curl" or "-d" not in argv:
+                continue
+            url = next(a for a in argv if a.startswith("localhost:8000"))
+            path = url.removeprefix("localhost:8000")
+            if path in CURL_PATHS:
+                out.append((_name(page), path, json.loads(argv[argv.index("-d") + 1])))
+    return out
+
+
+def test_curl_examples_are_found():
+    """The engine test below has something to send: every page on CURL_PAGES shows a generate call."""
+    examples = _curl_examples()
+    assert {page for page, _, _ in examples} == {_name(p) for p in CURL_PAGES}
+    assert {path for _, path, _ in examples} == set(CURL_PATHS)
+
+
+@pytest.mark.engine
+def test_curl_examples_answer_on_a_real_server(tito_url: str) -> None:
+    """README's and the first guides' curl bodies, sent to the shared default server: 200 and the tokens asked for
+    (the example's model name is replaced by the server's own)."""
+    import httpx
+
+    with httpx.Client(base_url=tito_url, timeout=120.0) as c:
+        served = c.get("/v1/models").json()["data"][0]["id"]
+        for page, path, body in _curl_examples():
+            if "model" in body:
+                body["model"] = served
+            r = c.post(path, json=body)
+            assert r.status_code == 200, f"{page}: {path} {body}: {r.status_code} {r.text}"
+            if body.get("stream"):
+                assert r.text.rstrip().endswith("data: [DONE]"), f"{page}: {path}: {r.text[-200:]}"
+                continue
+            answer = r.json()
+            if path == "/inference/v1/generate":
+                tokens = answer["choices"][0]["token_ids"]
+            else:
+                tokens = answer["usage"]["completion_tokens"] * [0]
+            assert 0 < len(tokens) <= body.get("sampling_params", body).get("max_tokens", 10**6), (page, answer)
 
 
 async def test_server_info_keys_are_documented():
