@@ -18,7 +18,7 @@ CUDA_ONLY := torchvision torchaudio torchcodec
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
-	@echo "make lint    - ruff + mypy"
+	@echo "make lint    - ruff + mypy + the docs (mkdocs build --strict)"
 	@echo "make unit    - the fast tests only (no engine)"
 	@echo "make trainers - the venv of SkyRL's clients (TRAINERS_VENV=$(TRAINERS_VENV)) for tests/test_trainers.py"
 	@echo "make bench   - benchmark tito vs the engine in-process vs vLLM's own server (BENCH_ARGS=...), into results/"
@@ -83,9 +83,13 @@ model: $(MODEL)/config.json
 serve: $(VENV)/.installed-cpu $(MODEL)/config.json
 	$(BIN)/tito serve --model $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE)
 
+# The docs: the generated reference pages must be current, and the site must build with every link and anchor found
+# (offline: no web fonts, no plugin that fetches), into site/.
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check app routers tests scripts
 	$(BIN)/mypy app routers
+	$(BIN)/python scripts/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not engine" $(PYTEST_ARGS)
@@ -100,4 +104,4 @@ bench: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 
 clean:
-	rm -rf $(VENV) models results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) models results site .pytest_cache .mypy_cache .ruff_cache

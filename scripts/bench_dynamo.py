@@ -10,7 +10,7 @@ to the frontend's ``/inference/v1/generate`` (Dynamo's token route: no tokenizin
 posts the same ids as a token prompt to the frontend's ``/v1/completions`` (text comes back: tito detokenizes for
 the sidecar). ``ignore_eos``: the same number of tokens out every time. Reports p50/p99 latency, req/s, the p50 the
 path adds, and the CPU per request of the frontend, the sidecar and tito's own process (from /proc: they move much
-less than latencies on a shared machine). Needs the ``dynamo`` extra and ``ai-dynamo`` (see README).
+less than latencies on a shared machine). Needs the ``dynamo`` extra and ``ai-dynamo`` (see docs/guides/dynamo.md).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Proc:
     def __init__(self, cmd: list[str], url: str, health: str, env: dict[str, str], log: Path) -> None:
         self.url, self.health = url, health
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        # Same session as this script (a new one is a new CFS autogroup: see README "Benchmark").
+        # Same session as this script (a new one is a new CFS autogroup: see docs/benchmarks/index.md).
         self.p = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                   process_group=0)
 

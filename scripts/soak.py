@@ -16,7 +16,7 @@ clients have finished a batch of answers since the last one. Then the clients st
 Target: 0 lost, 0 short, 0 spans_bad, 0 failed_updates (exit code 1 otherwise).
 
 Every request carries its own ``seed`` (the case that used to crash vLLM's EngineCore on CPU during an update: "CPU
-Generator does not use offset"; tito now starts vLLM with chunked prefill off on CPU, see README); ``--no-seed`` sends
+Generator does not use offset"; tito now starts vLLM with chunked prefill off on CPU, see the docs); ``--no-seed`` sends
 none.
 
     python scripts/soak.py                                  # 20 updates under 256 streams on the tiny model

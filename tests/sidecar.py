@@ -203,7 +203,7 @@ def start_frontend(env: dict[str, str], log: Path, mode: str = "kv") -> tuple[Se
 
 
 def start_sidecar(env: dict[str, str], replica: ServerProcess, log: Path) -> ServerProcess:
-    """``python -m dynamo.vllm.sidecar`` for ``replica``, started by hand as the README shows: ready once its system
+    """``python -m dynamo.vllm.sidecar`` for ``replica``, started by hand as the docs show: ready once its system
     port's ``/health`` answers 200 (it has connected, discovered the model and registered)."""
     port = system_port()
     cmd = [sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", f"127.0.0.1:{grpc_port(replica)}",

@@ -1,5 +1,5 @@
 """tito under Dynamo through Dynamo's own vLLM sidecar (ai-dynamo 1.6.1; file discovery, no etcd/NATS), end to end:
-two real replicas (the shared ``sidecar_a`` / ``sidecar_b``), each with a sidecar started by hand as the README shows
+two real replicas (the shared ``sidecar_a`` / ``sidecar_b``), each with a sidecar started by hand as the docs show
 (``python -m dynamo.vllm.sidecar --grpc-endpoint ... --enable-rl --vllm-http-endpoint ...``), and Dynamo's frontend
 in ``--router-mode kv`` with RL discovery.
 
@@ -65,7 +65,7 @@ def dyn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def hand_sidecar(replicas: list[ServerProcess], dyn: dict[str, str],
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """a's sidecar, started by hand as the README shows."""
+    """a's sidecar, started by hand as the docs show."""
     side = start_sidecar(dyn, replicas[0], tmp_path_factory.mktemp("logs") / "sidecar-a.log")
     yield side
     side.kill()

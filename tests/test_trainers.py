@@ -5,8 +5,8 @@ Each client runs in a subprocess, in its own environment (tests/trainer_clients/
 has the vLLM it needs; SkyRL in ``TITO_TRAINERS_VENV``, Python 3.12, made by ``make trainers``), and reports what every
 call returned. Every call that can run on a CPU must succeed, and what it returned must equal tito's own token API
 for the same prompt and seed (token ids exactly, logprobs to 1e-4). The calls that need a GPU (vLLM's NCCL weight
-transfer, sleep/wake) or a framework's own server (SkyRL's /skyrl/*, /fetch_weights) must fail the way the README
-says.
+transfer, sleep/wake) or a framework's own server (SkyRL's /skyrl/*, /fetch_weights) must fail the way
+docs/guides/trainers.md says.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Every server flag and ``TITO_*`` environment variable, declared once: the fields of ``Settings``.
 
 A field made with ``flag(default, help)`` is a server flag: the CLI (``--name-with-dashes``), the environment reader
-(``TITO_NAME``) and README's flag table (scripts/readme_flags.py) are all derived from it, its type from the
+(``TITO_NAME``) and the docs' flag table (docs/reference/flags.md) are all derived from it, its type from the
 annotation. Precedence: command-line flag > ``TITO_<NAME>`` environment variable > default.
 
 Adding a flag is one line in ``Settings``, e.g. ``grpc_port: int | None = flag(None, "gRPC port (unset: no gRPC).")``,
-then ``python scripts/readme_flags.py`` to refresh README's table.
+then ``python scripts/gen_reference.py`` to refresh the docs' table.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Settings:
     warmup: bool = flag(True, "Run one real generation before reporting ready.")
     weight_transfer_backend: str | None = flag(
         None, "vLLM weight-transfer backend for /init_weight_transfer_engine (nccl, ipc, ...; all need a GPU).")
-    # --- staged weight updates (/stage*, /commit; see README "Staged and delta updates")
+    # --- staged weight updates (/stage*, /commit; see docs/guides/staged-deltas.md)
     staging_dir: str | None = flag(None, "Where staged versions and uploads are kept (a fresh subdirectory per server, "
                                    "removed at exit; default: the system temp directory).")
     max_staged_versions: int = flag(2, "Staged versions kept on disk (staging another drops the oldest); uploads in "
@@ -111,7 +111,7 @@ class Settings:
     max_mm_items: int = flag(4, "Most media items (content_parts or features items) per request (400 beyond).")
     max_media_bytes: int = flag(5 * 1024 * 1024, "Largest decoded media item or kwargs_data item (413 beyond).")
     max_image_pixels: int = flag(4096 * 4096, "Most pixels (width x height) of one image (413 beyond).")
-    # --- Dynamo (needs the `dynamo` extra and ai-dynamo; see README "Running under Dynamo")
+    # --- Dynamo (needs the `dynamo` extra and ai-dynamo; see docs/guides/dynamo.md)
     dynamo_namespace: str | None = flag(None, "Run Dynamo's vLLM sidecar (python -m dynamo.vllm.sidecar) beside the "
                                         "server, registered in this namespace; needs --grpc-port. Unset: no Dynamo "
                                         "(the sidecar can also be started by hand).")
@@ -123,7 +123,7 @@ class Settings:
     dynamo_system_port: int | None = flag(
         None, "The sidecar's system port (DYN_SYSTEM_PORT, below 32768): engine-control routes and RL discovery "
         "(--enable-rl). Default: DYN_SYSTEM_PORT from the environment, else none.")
-    # --- gRPC (needs the `grpc` extra; see README "gRPC and the smg gateway")
+    # --- gRPC (needs the `grpc` extra; see docs/guides/grpc.md)
     grpc_port: int | None = flag(None, "Also serve gRPC on this port: smg's VllmEngine and vLLM's native vllm.Control "
                                  "+ vllm.Inference (Dynamo's vLLM sidecar), health, reflection; same engine and "
                                  "admission as HTTP; unset: no gRPC.")
@@ -232,7 +232,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def flags_markdown() -> str:
-    """README's flag table, generated from the Settings fields."""
+    """The docs' flag table (docs/reference/flags.md), generated from the Settings fields."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for f in FLAGS:
         rows.append(f"| `{f.cli}` | `{f.env}` | `{f.default}` | {f.help} |")

@@ -1,6 +1,5 @@
 """``tito serve --dynamo-namespace NS``: Dynamo's own vLLM sidecar (``python -m dynamo.vllm.sidecar``, ai-dynamo 1.6.1)
-as a child process of the server, for convenience; started by hand it works the same (README "Running under
-Dynamo").
+as a child process of the server, for convenience; started by hand it works the same (docs/guides/dynamo.md).
 
 The sidecar is Dynamo's worker for vLLM's native gRPC services: it connects to tito's ``vllm.Control`` /
 ``vllm.Inference`` on ``--grpc-port`` (waiting until they report SERVING), registers the model with Dynamo (serving,

@@ -41,7 +41,7 @@ class Limits:
 # dies whenever the step holds two or more requests (an n > 1 request's own children, or any unrelated request) and
 # the prompt's row count is not the request count; on GPU the Triton kernels take the mapping unchecked (adapters
 # applied to the wrong rows, row indices past the prompt's). A property of the whole batch, so no per-request check
-# can keep it out: prompt logprobs are refused on such a server (tests/test_lora.py, README "LoRA adapters").
+# can keep it out: prompt logprobs are refused on such a server (tests/test_lora.py, docs/guides/lora.md).
 LORA_PROMPT_LOGPROBS = (
     "prompt_logprobs is not served with --enable-lora on this model: vLLM 0.32 computes prompt logprobs through its "
     "LoRA LM head with one adapter index per request instead of one per prompt token, which kills the engine (CPU) or "
