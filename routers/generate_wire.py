@@ -64,13 +64,23 @@ def spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
     return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
 
 
+def routed_experts_b64(experts: Any) -> str | None:
+    """The engine's routed experts (a numpy array, set with --enable-return-routed-experts) as vLLM's own token API
+    sends them: base64 of the array's ``.npy`` bytes."""
+    if experts is None:
+        return None
+    from vllm.utils.serial_utils import numpy2base64
+
+    return numpy2base64(experts)
+
+
 def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
     return {
         "index": output.index,
         "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
         "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids),
-        "routed_experts": None,
+        "routed_experts": routed_experts_b64(getattr(output, "routed_experts", None)),
         "sampling_mask": None,
         "weight_versions": spans(output),
         "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)

@@ -73,6 +73,15 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def routed_experts_refusal(settings: Settings) -> str:
+    """Why this platform cannot serve ``--enable-return-routed-experts`` ("" when it can or the flag is off)."""
+    if not settings.enable_return_routed_experts or not on_cpu():
+        return ""
+    return ("--enable-return-routed-experts is not supported on the CPU platform: vLLM 0.32 captures routed experts "
+            "only in its GPU model runner (the CPU runner never fills them, so every answer would carry "
+            "routed_experts null). Start without it on CPU; on a GPU machine it is passed to vLLM.")
+
+
 def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     """Engine arguments that make ``tito serve --model DIR`` work on a CPU box with no environment set up.
 
@@ -130,6 +139,10 @@ def engine_args(settings: Settings) -> Any:
         kw["max_lora_rank"] = settings.max_lora_rank
         kw["max_loras"] = settings.max_loras
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
+    if settings.enable_return_routed_experts:
+        if refusal := routed_experts_refusal(settings):
+            raise ValueError(refusal)
+        kw["enable_return_routed_experts"] = True
     if settings.weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
     if settings.block_size:
@@ -344,11 +357,6 @@ class Engine:
 
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self.llm.remove_lora(lora_id))
-
-    async def lora_wraps_logits(self) -> bool:
-        """Whether LoRA is on and vLLM wrapped the model's logits processor for it (app/engine/worker.py): prompt
-        logprobs are then refused (app/engine/sampling.py ``LORA_PROMPT_LOGPROBS``)."""
-        return self.facts.enable_lora and any(await self.collective_rpc("tito_lora_wraps_logits"))
 
     # ------------------------------------------------------------------ weights (worker side: app/engine/worker.py)
 

@@ -123,8 +123,6 @@ def check_params(params: SamplingParams, token_ids: list[int], limits: Limits, *
                           "n")
     _check_logprobs(params.logprobs, limits, "logprobs")
     _check_logprobs(params.prompt_logprobs, limits, "prompt_logprobs")
-    if params.prompt_logprobs is not None and limits.prompt_logprobs_refusal:  # also echo + logprobs
-        raise bad_request(limits.prompt_logprobs_refusal, "prompt_logprobs")
     if params.min_tokens and limits.min_tokens_refusal:
         raise bad_request(limits.min_tokens_refusal, "min_tokens")
     for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):

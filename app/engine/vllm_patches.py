@@ -1,0 +1,195 @@
+"""tito's fixes to vLLM 0.32, applied inside the engine's worker processes (from ``app/engine/worker.py``).
+
+Each fix names the upstream vLLM issue or pull request it stands in for and is applied only on the vLLM versions it
+was written against (``SUPPORTED``): on another version nothing is patched and a warning says so, since the code
+being wrapped may have changed. ``TITO_VLLM_PATCHES=0`` in the server's environment leaves vLLM as it is (to show that
+the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/lora-exactness.md describes them.
+
+1. Prompt logprobs under LoRA (vLLM issues 16668 and 17766; 51594 for an ``lm_head`` adapter): vLLM computes a
+   request's prompt logits with the LoRA LM head (``LogitsProcessorWithLoRA``) under the step's *sampler* mapping,
+   one adapter index per sampled row, while the rows are the request's prompt tokens. On CPU the shapes clash (or,
+   when the counts happen to match, the wrong adapters are applied); on GPU the Triton kernels take the mapping
+   unchecked. The fix: while vLLM computes the prompt logits of a request, the sampler mapping is the per-token one
+   vLLM already built for the forward pass (``token_lora_indices``), restricted to that request's rows.
+2. "No adapter" rows on CPU (vLLM pull request 48421): the PyTorch LoRA ops of the CPU platform gather the adapter
+   weights with the index ``-1`` of a base-model row, which selects the *last* adapter slot. Once every slot holds an
+   adapter, base requests sharing a step with adapter requests get that adapter. The fix leaves ``-1`` rows untouched,
+   as the Triton kernels do (they return early on ``-1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("tito.vllm_patches")
+
+SUPPORTED = ("0.32.",)
+ENV = "TITO_VLLM_PATCHES"
+_MARK = "_tito_patch"
+
+_applied: list[str] = []
+
+
+def install() -> list[str]:
+    """Apply every fix once per process; returns the names of those applied (``[]`` when disabled or unsupported)."""
+    if _applied:
+        return list(_applied)
+    import vllm
+
+    if os.environ.get(ENV, "1") == "0":
+        log.warning("%s=0: vLLM's LoRA prompt-logprobs and CPU no-adapter fixes are NOT applied", ENV)
+        return []
+    if not vllm.__version__.startswith(SUPPORTED):
+        log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
+                    "and CPU base rows may be wrong", vllm.__version__, ", ".join(SUPPORTED))
+        return []
+    _patch_prompt_logprobs()
+    _applied.append("prompt-logprobs-per-token-lora (vLLM #16668, #17766, #51594)")
+    _patch_cpu_no_lora_rows()
+    _applied.append("cpu-lora-no-adapter-rows (vLLM #48421)")
+    return list(_applied)
+
+
+def applied() -> list[str]:
+    return list(_applied)
+
+
+# ------------------------------------------------------------------------------------------ 1. prompt logprobs
+
+
+def _patch_prompt_logprobs() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner inherits this method
+
+    original = GPUModelRunner._get_prompt_logprobs_dict
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _get_prompt_logprobs_dict(self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]) -> Any:
+        punica = _lm_head_punica(self) if self.num_prompt_logprobs else None
+        if punica is None:  # no LoRA LM head: the prompt logits do not depend on the LoRA mapping
+            return original(self, hidden_states, num_scheduled_tokens)
+        model = self.model
+        compute = model.compute_logits
+
+        def compute_logits(prompt_hidden: Any) -> Any:
+            # vLLM passes ``hidden_states[offset : offset + n]`` for each request: its rows' own adapter indices.
+            row = _row_of(prompt_hidden, hidden_states)
+            with _sampler_mapping(punica, punica.token_lora_indices[row:row + prompt_hidden.shape[0]]):
+                return compute(prompt_hidden)
+
+        model.compute_logits = compute_logits  # an instance attribute, shadowing the method for this call only
+        try:
+            return original(self, hidden_states, num_scheduled_tokens)
+        finally:
+            del model.compute_logits
+
+    setattr(_get_prompt_logprobs_dict, _MARK, True)
+    GPUModelRunner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict  # type: ignore[method-assign]
+
+
+def _lm_head_punica(runner: Any) -> Any:
+    """The punica wrapper of the model's LoRA LM head, or None (LoRA off, or the LM head not wrapped)."""
+    if getattr(runner, "lora_config", None) is None:
+        return None
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+
+    model = runner.get_model()
+    cached = getattr(runner, "_tito_lm_head_punica", None)
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    punica = next((m.punica_wrapper for m in model.modules() if isinstance(m, LogitsProcessorWithLoRA)), None)
+    runner._tito_lm_head_punica = (model, punica)
+    return punica
+
+
+def _row_of(view: Any, base: Any) -> int:
+    """The first row of ``base`` that ``view`` (a row slice of it) starts at. Fails loudly on anything else, so a
+    change in vLLM's code cannot turn into silently misapplied adapters."""
+    same = view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and view.stride() == base.stride()
+    row, rest = divmod(view.storage_offset() - base.storage_offset(), base.stride(0)) if same else (-1, 1)
+    if rest or row < 0 or row + view.shape[0] > base.shape[0]:
+        raise RuntimeError("tito's LoRA prompt-logprobs fix: the prompt rows are not a slice of the step's hidden "
+                           "states (vLLM's _get_prompt_logprobs_dict changed?)")
+    return int(row)
+
+
+@contextlib.contextmanager
+def _sampler_mapping(punica: Any, indices: Any) -> Iterator[None]:
+    """``punica.sampler_indices`` (what the LoRA LM head reads) is ``indices`` inside the block, then as before. The
+    GPU wrapper reads the same mapping through ``prompt_mapping_meta``, prepared from it as vLLM does per step."""
+    saved_len = punica.indices_len[1]
+    saved = punica._sampler_indices[:saved_len].clone()
+    meta = getattr(punica, "prompt_mapping_meta", None)
+
+    def set_mapping(values: Any) -> None:
+        punica._sampler_indices[:values.shape[0]].copy_(values)
+        punica.indices_len[1] = int(values.shape[0])
+        if meta is not None:
+            with _sync_allowed():
+                meta.prepare_tensors(punica.sampler_indices)
+
+    set_mapping(indices.clone())
+    try:
+        yield
+    finally:
+        set_mapping(saved)
+
+
+def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:  # pragma: no cover - the helper moved; the GPU wrapper itself would fail to import
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
+
+
+# ------------------------------------------------------------------------------------------ 2. CPU "no adapter" rows
+
+
+def _patch_cpu_no_lora_rows() -> None:
+    import vllm.lora.ops.torch_ops as package
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        original = getattr(lora_ops, name)
+        if getattr(original, _MARK, False):
+            continue
+        fixed = _skipping_no_lora_rows(original)
+        # lora_ops' own sgmv_* ops call these through the module; the CPU wrapper and the package imported them.
+        for module in (lora_ops, package, punica_cpu):
+            if getattr(module, name, None) is original:
+                setattr(module, name, fixed)
+
+
+def _skipping_no_lora_rows(op: Callable[..., None]) -> Callable[..., None]:
+    """``op(inputs, weights, output, indices, ...)`` writing into ``output``, leaving the rows whose index is -1 as
+    they were (the Triton kernels' early exit)."""
+
+    @functools.wraps(op)
+    def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
+        none = indices < 0
+        if not bool(none.any()):
+            op(inputs, weights, output, indices, *args, **kwargs)
+            return
+        import torch
+
+        rows = output.shape[0]
+        if none.shape[0] == 1:  # one index broadcast over every row
+            mask = none.expand(rows)
+        else:
+            mask = torch.zeros(rows, dtype=torch.bool, device=output.device)
+            k = min(rows, none.shape[0])
+            mask[:k] = none[:k]
+        kept = output[mask].clone()
+        op(inputs, weights, output, indices, *args, **kwargs)
+        output[mask] = kept
+
+    setattr(fixed, _MARK, True)
+    return fixed
