@@ -62,7 +62,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
         return 2
     if settings.enable_return_routed_experts:
-        from app.engine.adapter import routed_experts_refusal
+        from app.engine.routed_experts import routed_experts_refusal
 
         if refusal := routed_experts_refusal(settings):
             print(f"tito: {refusal}", file=sys.stderr)

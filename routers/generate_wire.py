@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from app.engine.routed_experts import routed_experts_b64
+
 if TYPE_CHECKING:
     from app.engine.adapter import CompletionOutput
 
@@ -62,16 +64,6 @@ def spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
     if wv is None:
         return None
     return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
-
-
-def routed_experts_b64(experts: Any) -> str | None:
-    """The engine's routed experts (a numpy array, set with --enable-return-routed-experts) as vLLM's own token API
-    sends them: base64 of the array's ``.npy`` bytes."""
-    if experts is None:
-        return None
-    from vllm.utils.serial_utils import numpy2base64
-
-    return numpy2base64(experts)
 
 
 def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:

@@ -24,24 +24,13 @@ from safetensors.torch import load_file
 
 from tests.conftest import LORA_CONTEXT
 from tests.helpers import ServerProcess, restore_server
-from tests.reference import Reference
+from tests.reference import PeftReference
 from tests.sweep import fire_answers, shapes
 from tests.test_lora import make_weights, write_adapter
 
 GEN = "/inference/v1/generate"
 TOL = 1e-4
 ADAPTERS = {"attn": ("q_proj", "v_proj"), "head": ("q_proj", "lm_head")}
-
-
-class PeftReference(Reference):
-    """transformers + PEFT: the adapter directory as a trainer would load it (None: the base model)."""
-
-    def __init__(self, model_dir: Path, adapter: Path | None) -> None:
-        super().__init__(model_dir)
-        if adapter is not None:
-            from peft import PeftModel
-
-            self.model = PeftModel.from_pretrained(self.model, str(adapter)).eval()
 
 
 @pytest.fixture(scope="module")

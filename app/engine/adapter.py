@@ -73,15 +73,6 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def routed_experts_refusal(settings: Settings) -> str:
-    """Why this platform cannot serve ``--enable-return-routed-experts`` ("" when it can or the flag is off)."""
-    if not settings.enable_return_routed_experts or not on_cpu():
-        return ""
-    return ("--enable-return-routed-experts is not supported on the CPU platform: vLLM 0.32 captures routed experts "
-            "only in its GPU model runner (the CPU runner never fills them, so every answer would carry "
-            "routed_experts null). Start without it on CPU; on a GPU machine it is passed to vLLM.")
-
-
 def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     """Engine arguments that make ``tito serve --model DIR`` work on a CPU box with no environment set up.
 
@@ -140,6 +131,8 @@ def engine_args(settings: Settings) -> Any:
         kw["max_loras"] = settings.max_loras
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
     if settings.enable_return_routed_experts:
+        from app.engine.routed_experts import routed_experts_refusal
+
         if refusal := routed_experts_refusal(settings):
             raise ValueError(refusal)
         kw["enable_return_routed_experts"] = True

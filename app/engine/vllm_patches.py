@@ -71,19 +71,12 @@ def _patch_prompt_logprobs() -> None:
 
     @functools.wraps(original)
     def _get_prompt_logprobs_dict(self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]) -> Any:
-        punica = _lm_head_punica(self) if self.num_prompt_logprobs else None
+        punica = _lm_head_punica(self.get_model()) if self.num_prompt_logprobs and self.lora_config else None
         if punica is None:  # no LoRA LM head: the prompt logits do not depend on the LoRA mapping
             return original(self, hidden_states, num_scheduled_tokens)
         model = self.model
-        compute = model.compute_logits
-
-        def compute_logits(prompt_hidden: Any) -> Any:
-            # vLLM passes ``hidden_states[offset : offset + n]`` for each request: its rows' own adapter indices.
-            row = _row_of(prompt_hidden, hidden_states)
-            with _sampler_mapping(punica, punica.token_lora_indices[row:row + prompt_hidden.shape[0]]):
-                return compute(prompt_hidden)
-
-        model.compute_logits = compute_logits  # an instance attribute, shadowing the method for this call only
+        # vLLM calls ``self.model.compute_logits(hidden_states[offset : offset + n])`` once per request.
+        model.compute_logits = _per_token(model.compute_logits, hidden_states, punica)  # this call only
         try:
             return original(self, hidden_states, num_scheduled_tokens)
         finally:
@@ -91,20 +84,63 @@ def _patch_prompt_logprobs() -> None:
 
     setattr(_get_prompt_logprobs_dict, _MARK, True)
     GPUModelRunner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict  # type: ignore[method-assign]
+    _patch_model_runner_v2()
 
 
-def _lm_head_punica(runner: Any) -> Any:
-    """The punica wrapper of the model's LoRA LM head, or None (LoRA off, or the LM head not wrapped)."""
-    if getattr(runner, "lora_config", None) is None:
-        return None
+def _patch_model_runner_v2() -> None:
+    """The same fix in vLLM's Model Runner V2 (the default on GPU machines with Triton), which hands its prompt
+    logprobs worker ``model.compute_logits`` and slices of the step's hidden states (chunks of every row, or one
+    request's rows). Not importable on CPU builds without Triton: then there is nothing to patch."""
+    try:
+        from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+    except Exception:  # noqa: BLE001 - any import failure means this runner cannot run here either
+        return
+    for name in ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs"):
+        original = getattr(PromptLogprobsWorker, name, None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def patched(self: Any, logits_fn: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+                model = getattr(logits_fn, "__self__", None)
+                punica = _lm_head_punica(model) if model is not None else None
+                if punica is not None:
+                    logits_fn = _per_token(logits_fn, hidden_states, punica)
+                return original(self, logits_fn, hidden_states, *args, **kwargs)
+
+            setattr(patched, _MARK, True)
+            return patched
+
+        setattr(PromptLogprobsWorker, name, make(original))
+
+
+def _per_token(compute: Callable[[Any], Any], hidden_states: Any, punica: Any) -> Callable[[Any], Any]:
+    """``compute`` (the model's ``compute_logits``) run on a row slice of ``hidden_states`` with those rows' own
+    adapter indices: the per-token mapping vLLM built for the forward pass."""
+
+    def compute_logits(rows: Any) -> Any:
+        row = _row_of(rows, hidden_states)
+        with _sampler_mapping(punica, punica.token_lora_indices[row:row + rows.shape[0]]):
+            return compute(rows)
+
+    return compute_logits
+
+
+def _lm_head_punica(model: Any) -> Any:
+    """The punica wrapper of the model's LoRA LM head, or None (the LM head not wrapped for LoRA)."""
+    import torch
     from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
 
-    model = runner.get_model()
-    cached = getattr(runner, "_tito_lm_head_punica", None)
-    if cached is not None and cached[0] is model:
-        return cached[1]
+    if not isinstance(model, torch.nn.Module) and hasattr(model, "unwrap"):  # a CUDA graph wrapper (GPU)
+        model = model.unwrap()
+    if not isinstance(model, torch.nn.Module):
+        return None
+    cached = getattr(model, "_tito_lm_head_punica", None)
+    if cached is not None:
+        return cached[0]
     punica = next((m.punica_wrapper for m in model.modules() if isinstance(m, LogitsProcessorWithLoRA)), None)
-    runner._tito_lm_head_punica = (model, punica)
+    model.__dict__["_tito_lm_head_punica"] = (punica,)  # a plain attribute, beside the module's own
     return punica
 
 
