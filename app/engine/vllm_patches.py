@@ -120,7 +120,7 @@ def _per_token(compute: Callable[[Any], Any], hidden_states: Any, punica: Any) -
     adapter indices: the per-token mapping vLLM built for the forward pass."""
 
     def compute_logits(rows: Any) -> Any:
-        row = _row_of(rows, hidden_states)
+        row = row_of(rows, hidden_states)
         with _sampler_mapping(punica, punica.token_lora_indices[row:row + rows.shape[0]]):
             return compute(rows)
 
@@ -144,7 +144,7 @@ def _lm_head_punica(model: Any) -> Any:
     return punica
 
 
-def _row_of(view: Any, base: Any) -> int:
+def row_of(view: Any, base: Any) -> int:
     """The first row of ``base`` that ``view`` (a row slice of it) starts at. Fails loudly on anything else, so a
     change in vLLM's code cannot turn into silently misapplied adapters."""
     same = view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and view.stride() == base.stride()
