@@ -429,8 +429,9 @@ def test_prime_rl_teacher_scoring_on_a_lora_server(lora_server: Any) -> None:
     lora, teacher, base = lora_server
     seq = [(i * 13) % 400 + 7 for i in range(40)]
     for model, ref in ((ADAPTER, teacher), (None, base)):
-        body: dict[str, Any] = {"token_ids": seq, "sampling_params": {"max_tokens": 1, "temperature": 1.0,
-                                                                      "top_p": 1.0, "prompt_logprobs": 1}}
+        # routed_experts_prompt_start: what Prime-RL adds on a multi-turn bridged prompt (served without MoE too).
+        body: dict[str, Any] = {"token_ids": seq, "sampling_params": {
+            "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1, "routed_experts_prompt_start": 3}}
         if model:
             body["model"] = model
         r = httpx.post(lora.url + GEN, json=body, timeout=120)
@@ -439,3 +440,4 @@ def test_prime_rl_teacher_scoring_on_a_lora_server(lora_server: Any) -> None:
         assert plp[0] is None and len(plp) == len(seq)
         got = [plp[i][str(t)]["logprob"] for i, t in enumerate(seq) if i]
         assert got == pytest.approx(ref.prompt_logprobs(seq), abs=TOL), model
+        assert r.json()["choices"][0]["routed_experts"] is None  # not started with --enable-return-routed-experts
