@@ -10,7 +10,9 @@ the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/l
    one adapter index per sampled row, while the rows are the request's prompt tokens. On CPU the shapes clash (or,
    when the counts happen to match, the wrong adapters are applied); on GPU the Triton kernels take the mapping
    unchecked. The fix: while vLLM computes the prompt logits of a request, the sampler mapping is the per-token one
-   vLLM already built for the forward pass (``token_lora_indices``), restricted to that request's rows.
+   vLLM already built for the forward pass (``token_lora_indices``), restricted to that request's rows. Both model
+   runners: V1 (``_get_prompt_logprobs_dict``; CPU, and GPU without Triton) and V2 (``PromptLogprobsWorker``, the GPU
+   default). The GPU side is written from reading vLLM's code and has not been run on a GPU.
 2. "No adapter" rows on CPU (vLLM pull request 48421): the PyTorch LoRA ops of the CPU platform gather the adapter
    weights with the index ``-1`` of a base-model row, which selects the *last* adapter slot. Once every slot holds an
    adapter, base requests sharing a step with adapter requests get that adapter. The fix leaves ``-1`` rows untouched,
@@ -52,10 +54,7 @@ def install() -> list[str]:
     _applied.append("prompt-logprobs-per-token-lora (vLLM #16668, #17766, #51594)")
     _patch_cpu_no_lora_rows()
     _applied.append("cpu-lora-no-adapter-rows (vLLM #48421)")
-    return list(_applied)
-
-
-def applied() -> list[str]:
+    log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
 
@@ -63,6 +62,7 @@ def applied() -> list[str]:
 
 
 def _patch_prompt_logprobs() -> None:
+    """vLLM issues 16668 and 17766 (and 51594 for an ``lm_head`` adapter): prompt logits under the sampler mapping."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner inherits this method
 
     original = GPUModelRunner._get_prompt_logprobs_dict
@@ -189,6 +189,7 @@ def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
 
 
 def _patch_cpu_no_lora_rows() -> None:
+    """vLLM pull request 48421: the CPU LoRA ops read index -1 (no adapter) as the last slot."""
     import vllm.lora.ops.torch_ops as package
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
