@@ -61,6 +61,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print(f"tito: model directory {settings.model!r} does not exist "
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
         return 2
+    if settings.enable_return_routed_experts:
+        from app.engine.routed_experts import routed_experts_refusal
+
+        if refusal := routed_experts_refusal(settings):
+            print(f"tito: {refusal}", file=sys.stderr)
+            return 2
     from app.main import create_app
     from app.server.lifecycle import serve
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from app.engine.routed_experts import routed_experts_b64
+
 if TYPE_CHECKING:
     from app.engine.adapter import CompletionOutput
 
@@ -70,7 +72,7 @@ def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -
         "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
         "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids),
-        "routed_experts": None,
+        "routed_experts": routed_experts_b64(getattr(output, "routed_experts", None)),
         "sampling_mask": None,
         "weight_versions": spans(output),
         "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)

@@ -125,9 +125,11 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "lora": f.enable_lora,
             "max_loras": f.max_loras,
             "max_lora_rank": f.max_lora_rank,
-            "prompt_logprobs": not state.limits.prompt_logprobs_refusal,  # refused when LoRA wraps the LM head
+            # Served with LoRA too: exact per prompt row under each request's adapter (app/engine/vllm_patches.py).
+            "prompt_logprobs": True,
             "min_tokens": not state.limits.min_tokens_refusal,  # refused when an eos id lies outside the vocabulary
-            "routed_experts": False,  # tito does not return routed experts (the wire's field is always null)
+            # --enable-return-routed-experts (refused at start where vLLM cannot capture them: CPU).
+            "routed_experts": s.enable_return_routed_experts,
             "prefix_caching": s.enable_prefix_caching,
             "priority_scheduling": f.priority_scheduling,
             # DP rank -> ZMQ address of its KV-cache event publisher (--kv-events-port); empty when off.

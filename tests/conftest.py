@@ -386,7 +386,8 @@ def long_tito(shared_servers: SharedServers) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def lora_tito(shared_servers: SharedServers) -> ServerProcess:
-    """The shared LoRA server (test_cli.py, test_lora.py). Each module using it restores it at its end."""
+    """The shared LoRA server (test_cli.py, test_lora.py, test_lora_exactness.py, test_trainers.py). Each module using
+    it restores it at its end and unloads the adapters it loaded."""
     return shared_servers.get("lora_tito")
 
 

@@ -186,9 +186,6 @@ class FakeEngine:
         self.calls.append(("remove_lora", lora_id))
         return True
 
-    async def lora_wraps_logits(self) -> bool:
-        return False
-
     # ------------------------------------------------------------------ weights and facts (recorded; no model here)
 
     async def delta_prepare(self, version: str, files: list[str] | None,

@@ -37,3 +37,14 @@ class Reference:
         """logprob of each prompt token given the ones before it (position 0 has none)."""
         lp = self.logprobs(prompt)
         return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+class PeftReference(Reference):
+    """transformers + PEFT: a LoRA adapter directory as a trainer would load it (``None``: the base model alone)."""
+
+    def __init__(self, model_dir: Path | str, adapter: Path | str | None) -> None:
+        super().__init__(model_dir)
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, str(adapter)).eval()

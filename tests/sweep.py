@@ -54,13 +54,6 @@ def shapes(prompt: list[int] = PROMPT, model: str | None = None) -> dict[str, di
     }
 
 
-def prompt_logprob_shapes(bodies: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The shapes that ask for prompt logprobs, as ``fire``'s ``refused`` for a server that refuses them (a LoRA
-    server whose LM head vLLM wraps: app/engine/sampling.py ``LORA_PROMPT_LOGPROBS``)."""
-    param = "sampling_params.prompt_logprobs"
-    return {n: param for n, b in bodies.items() if "prompt_logprobs" in b["sampling_params"]}
-
-
 async def _send(c: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str]:
     r = await c.post(GEN, json=body, headers=headers)
     return r.status_code, r.text
@@ -82,6 +75,16 @@ def fire(url: str, bodies: dict[str, dict[str, Any]], refused: dict[str, str] | 
     """Send ``bodies`` concurrently; each must answer 200 (a stream: no error event), or for a name in ``refused``
     a 400 naming that param. Then the engine must be alive: ``/health`` 200 and a greedy generate served. ``headers``:
     per-shape request headers (a data-parallel rank). Returns the statuses by name."""
+    return {name: status for name, (status, _) in _fire(url, bodies, refused, headers, timeout).items()}
+
+
+def fire_answers(url: str, bodies: dict[str, dict[str, Any]], timeout: float = 120.0) -> dict[str, str]:
+    """``fire`` (every shape a 200), returning the answers' bodies by name, to compare with a reference."""
+    return {name: text for name, (_, text) in _fire(url, bodies, None, None, timeout).items()}
+
+
+def _fire(url: str, bodies: dict[str, dict[str, Any]], refused: dict[str, str] | None,
+          headers: dict[str, dict[str, str]] | None, timeout: float) -> dict[str, tuple[int, str]]:
     refused, headers = refused or {}, headers or {}
 
     async def run() -> tuple[list[tuple[int, str]], int, int]:
@@ -98,4 +101,4 @@ def fire(url: str, bodies: dict[str, dict[str, Any]], refused: dict[str, str] | 
     assert health == 200 and after == 200, f"engine not serving after the sweep (health {health}, generate " \
                                            f"{after}); answers: {failures or 'all as expected'}"
     assert not failures, failures
-    return {name: status for name, (status, _) in zip(bodies, got, strict=True)}
+    return dict(zip(bodies, got, strict=True))

@@ -74,6 +74,16 @@ def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 2 and str(other) in out.stderr and str(missing) not in out.stderr
 
 
+def test_routed_experts_flag_is_refused_at_start_on_cpu(tiny_model: Path) -> None:
+    """vLLM 0.32 captures routed experts only in its GPU model runner: on CPU the flag stops the start with the reason
+    instead of serving ``routed_experts: null`` to a router-replay trainer (docs/guides/lora-exactness.md)."""
+    out = tito("serve", "--model", str(tiny_model), "--enable-return-routed-experts", timeout=180)
+    assert out.returncode == 2, out.stderr
+    assert "--enable-return-routed-experts is not supported on the CPU platform" in out.stderr, out.stderr
+    out = tito("serve", env={"TITO_MODEL": str(tiny_model), "TITO_ENABLE_RETURN_ROUTED_EXPERTS": "true"}, timeout=180)
+    assert out.returncode == 2 and "GPU model runner" in out.stderr, out.stderr
+
+
 def test_make_tiny_model(tmp_path: Path) -> None:
     out = tito("make-tiny-model", str(tmp_path / "m"), timeout=180)
     assert out.returncode == 0, out.stderr

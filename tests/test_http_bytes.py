@@ -437,3 +437,25 @@ async def test_a_client_leaving_is_handled_alike(kind: str, lean: bool) -> None:
             assert (status, raised) == (200, None)
             assert eng.aborted and eng.aborted[0].startswith("generate-tokens-gone-")
             assert moved == {"tito_requests_total" + route % 200: 1.0}
+
+
+def test_routed_experts_are_sent_as_vllms_token_api_sends_them() -> None:
+    """With --enable-return-routed-experts (GPU only) the engine's array goes out as vLLM's token API sends it: base64
+    of its ``.npy`` bytes; without it the field stays null."""
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.utils.serial_utils import numpy2base64
+
+    from routers.generate_wire import choice
+
+    experts = np.arange(24, dtype=np.uint8).reshape(4, 2, 3)  # (tokens - 1, MoE layers, top k)
+    out = SimpleNamespace(index=0, finish_reason="length", stop_reason=None, token_ids=[1, 2, 3, 4, 5],
+                          weight_versions=None, logprobs=None, routed_experts=experts)
+    sent = choice(out, None, final=True)["routed_experts"]  # type: ignore[arg-type]
+    assert sent == numpy2base64(experts)
+    assert np.array_equal(np.load(io.BytesIO(base64.b64decode(sent))), experts)
+    out.routed_experts = None
+    assert choice(out, None, final=True)["routed_experts"] is None  # type: ignore[arg-type]

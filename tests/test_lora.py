@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import LORA_CONTEXT
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.reference import Reference
-from tests.sweep import fire, prompt_logprob_shapes, shapes
+from tests.sweep import fire, shapes
 
 pytestmark = pytest.mark.engine
 
@@ -304,29 +304,26 @@ def test_concurrent_base_and_adapter_requests_get_their_own_answers(lc, lora_ser
 ISSUE_31 = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"n": 2, "max_tokens": 4, "prompt_logprobs": 2, "seed": 8}}
 
 
-def test_prompt_logprobs_on_a_lora_server_is_a_400_and_the_engine_lives(lc, client) -> None:
-    """Issue 31: SkyRL's sample request (n=2, prompt logprobs, no adapter) killed this server's EngineCore (vLLM's LoRA
-    LM head maps one adapter row per request onto one row per prompt token; an n=1 request beside any other dies the
-    same way), so prompt logprobs are refused here up front. The server without LoRA serves the same request."""
-    for body in (ISSUE_31, {**ISSUE_31, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}):
-        r = lc.post(GEN, json=body)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == "sampling_params.prompt_logprobs" and "--enable-lora" in err["message"], err
+def test_prompt_logprobs_on_a_lora_server_are_served_and_the_engine_lives(lc, client) -> None:
+    """SkyRL's sample request (n=2, prompt logprobs, no adapter) used to kill this server's EngineCore (vLLM's LoRA LM
+    head mapped one adapter row per request onto one row per prompt token). It is served now, on the token and the
+    OpenAI routes, with the values of the server without LoRA (exactness per adapter: tests/test_lora_exactness.py)."""
+    r = lc.post(GEN, json=ISSUE_31)
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and all(len(step) >= 2 for step in plp[1:]) and len(plp) == 5
+    ref = client.post(GEN, json=ISSUE_31)
+    assert ref.status_code == 200, ref.text
+    for got, want in zip(plp[1:], ref.json()["prompt_logprobs"][1:], strict=True):
+        assert {k: v["logprob"] for k, v in got.items()} == pytest.approx(
+            {k: v["logprob"] for k, v in want.items()}, abs=1e-4)
     # The OpenAI route too (TRL scores teachers with prompt_logprobs; echo + logprobs asks for them implicitly).
     for body in ({"prompt": [3, 1, 4, 1, 5], "max_tokens": 1, "prompt_logprobs": 1},
                  {"prompt": [3, 1, 4, 1, 5], "max_tokens": 1, "echo": True, "logprobs": 1, "return_token_ids": True}):
         r = lc.post("/v1/completions", json=body)
-        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"], r.text
-    assert lc.get("/server_info").json()["features"]["prompt_logprobs"] is False
+        assert r.status_code == 200, r.text
+    assert lc.get("/server_info").json()["features"]["prompt_logprobs"] is True
     assert lc.get("/health").status_code == 200
-    assert lc.post(GEN, json={**ISSUE_31, "sampling_params": {"n": 2, "max_tokens": 4, "seed": 8}}).status_code == 200
-    # The shared server without --enable-lora: the same request, answered in full.
-    assert client.get("/server_info").json()["features"]["prompt_logprobs"] is True
-    r = client.post(GEN, json=ISSUE_31)
-    assert r.status_code == 200, r.text
-    plp = r.json()["prompt_logprobs"]
-    assert plp[0] is None and all(len(step) >= 2 for step in plp[1:]) and len(plp) == 5
 
 
 def test_trainer_request_shapes_together_keep_the_engine(lc, lora_server, w1, work) -> None:
@@ -335,7 +332,7 @@ def test_trainer_request_shapes_together_keep_the_engine(lc, lora_server, w1, wo
     try:
         for model in ("sweep", None):
             bodies = shapes(model=model)
-            fire(lora_server.url, bodies, refused=prompt_logprob_shapes(bodies))
+            fire(lora_server.url, bodies)
     finally:
         unload(lc, "sweep")
 

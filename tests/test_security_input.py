@@ -104,18 +104,6 @@ def test_count_limits_are_flags():
     assert Settings.build(env={}).max_stop_token_ids == 1024
 
 
-def test_prompt_logprobs_refused_where_lora_wraps_the_lm_head():
-    """Issue 31: the refusal is set from the workers' answer at start-up; every prompt_logprobs value is refused."""
-    lim = configured_limits(LIMITS, Settings.build(env={}), lora_wraps_logits=True)
-    for value in (0, 1, 5):
-        with pytest.raises(ApiError) as e:
-            build_sampling_params(_sp(prompt_logprobs=value, n=1), lim)
-        assert e.value.status == 400 and e.value.param == "sampling_params.prompt_logprobs"
-        assert "--enable-lora" in e.value.message
-    build_sampling_params(_sp(n=4, logprobs=5), lim)  # everything else as before
-    assert not configured_limits(LIMITS, Settings.build(env={})).prompt_logprobs_refusal
-
-
 def test_min_tokens_refused_where_an_eos_lies_outside_the_vocabulary():
     """A tokenizer eos past the model's ids killed the engine on min_tokens (vLLM masks it by index); such a server
     refuses min_tokens > 0 naming the ids, and configured_limits keeps the refusal."""

@@ -336,3 +336,110 @@ def test_skyrl_gpu_and_private_routes_are_refused(skyrl: dict[str, Any]) -> None
     for name in ("weight_sync.init_weight_transfer_engine", "weight_sync.start_weight_update",
                  "weight_sync.finish_weight_update"):
         failed(skyrl, name, "[501]", "needs a GPU")
+
+
+# ------------------------------------------------------------------------------------------------ on a LoRA server
+
+ADAPTER = "teacher"  # targets q_proj and lm_head: vLLM's LoRA LM head computes the prompt logprobs
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_tito: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The shared LoRA server with a teacher adapter loaded; yields it with the adapter's transformers + PEFT
+    reference and the base model's."""
+    from safetensors.torch import load_file
+
+    from tests.reference import PeftReference
+    from tests.test_lora import make_weights, write_adapter
+
+    model_dir = Path(httpx.get(lora_tito.url + "/server_info", timeout=30).json()["model"]["path"])
+    weights = make_weights(load_file(str(model_dir / "model.safetensors")), seed=5, targets=("q_proj", "lm_head"))
+    path = write_adapter(tmp_path_factory.mktemp("teacher") / ADAPTER, weights)
+    r = httpx.post(lora_tito.url + "/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(path)},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    try:
+        yield lora_tito, PeftReference(model_dir, path), PeftReference(model_dir, None)
+    finally:
+        httpx.post(lora_tito.url + "/v1/unload_lora_adapter", json={"lora_name": ADAPTER}, timeout=120)
+        restore_server(lora_tito.url)
+
+
+@pytest.fixture(scope="module")
+def lora_drivers(lora_server: Any) -> dict[str, _Driver | str]:
+    """Both clients' scoring calls against the LoRA server, side by side (so their requests share engine steps)."""
+    url = lora_server[0].url
+    out: dict[str, _Driver | str] = {}
+    out["trl"] = (_Driver(sys.executable, "trl_driver.py", url, ADAPTER) if importlib.util.find_spec("trl")
+                  else "trl is not installed (make test installs the test extra)")
+    py = _trainers_python()
+    out["skyrl"] = (_Driver(py, "skyrl_driver.py", url, ADAPTER, "score") if py
+                    else "SkyRL's venv is missing: make trainers (TITO_TRAINERS_VENV)")
+    running = [d for d in out.values() if isinstance(d, _Driver)]
+    for d in running:
+        d.wait_ready()
+    for d in running:
+        d.finish()
+    return out
+
+
+def test_trl_teacher_logprobs_on_a_lora_server(lora_drivers: dict[str, _Driver | str], lora_server: Any,
+                                               server: ServerProcess) -> None:
+    """TRL's get_sequence_logprobs on a LoRA server (refused with a 400 before): by the base model, equal to the server
+    without LoRA; by the adapter, equal to transformers + PEFT on the same adapter."""
+    trl = _report(lora_drivers, "trl")
+    lora, teacher, base = lora_server
+    seq, start = [1, 2, 3, 4, 5, 6, 7, 8], 4
+    plain = token_api(server.url, seq, max_tokens=1, temperature=1.0, prompt_logprobs=3)["prompt_logprobs"]
+    for name, ref in (("get_sequence_logprobs", base), ("get_sequence_logprobs.adapter", teacher)):
+        out = ok(trl, name)
+        want = ref.prompt_logprobs(seq)
+        for j, pos in enumerate(range(start, len(seq))):
+            assert out["actual_token_ids"][0][j] == [seq[pos]]
+            assert out["actual_logprobs"][0][j][0] == pytest.approx(want[pos - 1], abs=TOL), (name, pos)
+            if ref is base:
+                top = {int(t): v["logprob"] for t, v in plain[pos].items()}
+                got = {t: lp for t, lp in zip(out["logprob_token_ids"][0][j], out["logprobs"][0][j], strict=True)
+                       if lp != float("-inf")}
+                assert_close(got, dict(sorted(top.items(), key=lambda kv: -kv[1])[:3]))
+    # The adapter's answer is its own: far from the base model's.
+    assert abs(ok(trl, "get_sequence_logprobs.adapter")["actual_logprobs"][0][0][0]
+               - ok(trl, "get_sequence_logprobs")["actual_logprobs"][0][0][0]) > 100 * TOL
+
+
+def test_skyrl_sample_with_prompt_logprobs_on_a_lora_server(lora_drivers: dict[str, _Driver | str],
+                                                             lora_server: Any) -> None:
+    """SkyRL's Tinker sample(include_prompt_logprobs) by the adapter's name (refused with a 400 before): the token
+    API's answer for that adapter, and its prompt logprobs those of transformers + PEFT."""
+    skyrl = _report(lora_drivers, "skyrl")
+    lora, teacher, _ = lora_server
+    out = ok(skyrl, "sample")
+    prompt = [1, 2, 3, 4, 5]
+    r = httpx.post(lora.url + GEN, timeout=120, json={"model": ADAPTER, "token_ids": prompt, "sampling_params": {
+        "n": 2, "logprobs": 0, "prompt_logprobs": 2, "temperature": 1.0, "max_tokens": 6, "seed": 42}})
+    assert r.status_code == 200, r.text
+    ref = r.json()
+    assert [s["tokens"] for s in out["sequences"]] == [c["token_ids"] for c in ref["choices"]]
+    assert out["prompt_logprobs"][0] is None
+    assert out["prompt_logprobs"][1:] == pytest.approx(teacher.prompt_logprobs(prompt), abs=TOL)
+    assert all(len(top) == 2 for top in out["topk_prompt_logprobs"][1:])
+
+
+def test_prime_rl_teacher_scoring_on_a_lora_server(lora_server: Any) -> None:
+    """Prime-RL's prefill scoring (client.py ``prefill_logprobs``, on-policy distillation) with the teacher adapter:
+    ``prompt_logprobs: 1`` on /inference/v1/generate; ``prompt_logprobs[i]`` is read by token id."""
+    lora, teacher, base = lora_server
+    seq = [(i * 13) % 400 + 7 for i in range(40)]
+    for model, ref in ((ADAPTER, teacher), (None, base)):
+        # routed_experts_prompt_start: what Prime-RL adds on a multi-turn bridged prompt (served without MoE too).
+        body: dict[str, Any] = {"token_ids": seq, "sampling_params": {
+            "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1, "routed_experts_prompt_start": 3}}
+        if model:
+            body["model"] = model
+        r = httpx.post(lora.url + GEN, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        plp = r.json()["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(seq)
+        got = [plp[i][str(t)]["logprob"] for i, t in enumerate(seq) if i]
+        assert got == pytest.approx(ref.prompt_logprobs(seq), abs=TOL), model
+        assert r.json()["choices"][0]["routed_experts"] is None  # not started with --enable-return-routed-experts

@@ -70,6 +70,9 @@ class Settings:
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
+    enable_return_routed_experts: bool = flag(
+        False, "Return each token's routed MoE experts (vLLM's --enable-return-routed-experts; Prime-RL's router "
+        "replay reads them from `routed_experts`). Needs vLLM's GPU model runner: refused at start on CPU.")
     stream_interval: int = flag(1, "Tokens per streamed event (vLLM's stream_interval): 1 sends every engine step's "
                                 "tokens at once; N > 1 fewer, larger events (the first and last still at once).")
     skip_tokenizer_init: bool | None = flag(

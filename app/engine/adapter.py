@@ -130,6 +130,12 @@ def engine_args(settings: Settings) -> Any:
         kw["max_lora_rank"] = settings.max_lora_rank
         kw["max_loras"] = settings.max_loras
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
+    if settings.enable_return_routed_experts:
+        from app.engine.routed_experts import routed_experts_refusal
+
+        if refusal := routed_experts_refusal(settings):
+            raise ValueError(refusal)
+        kw["enable_return_routed_experts"] = True
     if settings.weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
     if settings.block_size:
@@ -344,11 +350,6 @@ class Engine:
 
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self.llm.remove_lora(lora_id))
-
-    async def lora_wraps_logits(self) -> bool:
-        """Whether LoRA is on and vLLM wrapped the model's logits processor for it (app/engine/worker.py): prompt
-        logprobs are then refused (app/engine/sampling.py ``LORA_PROMPT_LOGPROBS``)."""
-        return self.facts.enable_lora and any(await self.collective_rpc("tito_lora_wraps_logits"))
 
     # ------------------------------------------------------------------ weights (worker side: app/engine/worker.py)
 

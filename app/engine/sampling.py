@@ -32,21 +32,7 @@ class Limits:
     priority_scheduling: bool
     max_logit_bias: int = 1024
     max_stop_token_ids: int = 1024
-    prompt_logprobs_refusal: str = ""  # why prompt_logprobs is refused on this server ("": served)
     min_tokens_refusal: str = ""  # why min_tokens > 0 is refused on this server ("": served)
-
-
-# vLLM 0.32 computes prompt logprobs through the LoRA-wrapped LM head with the LoRA mapping of the step's *sampled*
-# rows (one per request), applied to a prompt's rows (one per prompt token). On CPU the shapes clash and the EngineCore
-# dies whenever the step holds two or more requests (an n > 1 request's own children, or any unrelated request) and
-# the prompt's row count is not the request count; on GPU the Triton kernels take the mapping unchecked (adapters
-# applied to the wrong rows, row indices past the prompt's). A property of the whole batch, so no per-request check
-# can keep it out: prompt logprobs are refused on such a server (tests/test_lora.py, docs/guides/lora.md).
-LORA_PROMPT_LOGPROBS = (
-    "prompt_logprobs is not served with --enable-lora on this model: vLLM 0.32 computes prompt logprobs through its "
-    "LoRA LM head with one adapter index per request instead of one per prompt token, which kills the engine (CPU) or "
-    "misapplies adapters (GPU) whenever other sequences share the step (vLLM issue 16668). Ask a server without "
-    "--enable-lora for prompt logprobs.")
 
 
 # vLLM masks every id of a request's stop set (its stop_token_ids plus the eos ids it adds from the tokenizer and
@@ -62,11 +48,9 @@ def min_tokens_refusal(stop_ids_outside_vocab: tuple[int, ...], vocab_size: int)
             "start the server with --skip-tokenizer-init.")
 
 
-def configured_limits(limits: Limits, settings: Settings, lora_wraps_logits: bool = False) -> Limits:
-    """``limits`` with the request-size caps set by flags (``--max-stop-token-ids``, ``--max-logit-bias``), and
-    prompt logprobs refused when LoRA wrapped the LM head (``LORA_PROMPT_LOGPROBS``)."""
-    return replace(limits, max_stop_token_ids=settings.max_stop_token_ids, max_logit_bias=settings.max_logit_bias,
-                   prompt_logprobs_refusal=LORA_PROMPT_LOGPROBS if lora_wraps_logits else "")
+def configured_limits(limits: Limits, settings: Settings) -> Limits:
+    """``limits`` with the request-size caps set by flags (``--max-stop-token-ids``, ``--max-logit-bias``)."""
+    return replace(limits, max_stop_token_ids=settings.max_stop_token_ids, max_logit_bias=settings.max_logit_bias)
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -162,8 +146,6 @@ def check_sampling(p: Any, prompt_len: int, limits: Limits, *, prefix: str, prio
                           prefix + "n")
     _check_logprobs(p.logprobs, limits, prefix + "logprobs")
     _check_logprobs(p.prompt_logprobs, limits, prefix + "prompt_logprobs")
-    if p.prompt_logprobs is not None and limits.prompt_logprobs_refusal:  # on vLLM's routes also echo + logprobs
-        raise bad_request(limits.prompt_logprobs_refusal, prefix + "prompt_logprobs")
 
     vocab = limits.vocab_size
     for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):

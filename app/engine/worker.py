@@ -14,11 +14,16 @@ from collections.abc import Iterable
 from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.engine.vllm_patches import install as install_vllm_patches
 from app.engine.weight_markers import inject_fault
 from app.engine.worker_broadcast import BroadcastWorker
 from app.engine.worker_delta import DeltaWorker
 
 log = logging.getLogger("tito.worker")
+
+# vLLM imports this module in each worker process to mix the extension into its Worker, before the Worker exists:
+# the one place tito's fixes to vLLM are applied (app/engine/vllm_patches.py).
+install_vllm_patches()
 
 
 class TitoWorkerExtension(BroadcastWorker, DeltaWorker):
@@ -97,9 +102,6 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker):
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
 
-    def tito_lora_wraps_logits(self) -> bool:  # LoRA on the LM head: no prompt logprobs (app/engine/sampling.py)
-        from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA as Lora
-        return any(isinstance(m, Lora) for m in self.model_runner.get_model().modules())  # type: ignore[attr-defined]
 # ------------------------------------------------------------------------------------------ reload report
 
 # Buffers vLLM computes at start-up and no checkpoint holds (rotary caches). A layer that holds only these loads nothing

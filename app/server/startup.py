@@ -65,7 +65,7 @@ async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     state = AppState(settings=settings, engine=engine)
     # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
     state.engine_processes = multiprocessing.active_children()
-    state.limits = configured_limits(state.limits, settings, await engine.lora_wraps_logits())
+    state.limits = configured_limits(state.limits, settings)
     app.state.starting_state = state  # for the lifespan's shutdown, should it come before the start ends
     if settings.warmup:
         await engine.warmup()

@@ -1,5 +1,8 @@
 """Drives SkyRL 0.4's inference clients, unchanged, against a server: ``python skyrl_driver.py URL MODEL``.
 
+``python skyrl_driver.py URL MODEL score``: Tinker's ``sample`` with prompt logprobs only (MODEL: a LoRA adapter's
+name on a LoRA server).
+
 ``RemoteInferenceClient`` (generation, Tinker ``sample``, OpenAI routes, (de)tokenize, the control plane) and
 ``SkyrlWeightSyncClient`` (the trainer-side weight-sync control plane). Prints a JSON report
 (tests/test_trainers.py checks it)."""
@@ -15,7 +18,7 @@ PROMPT = [1, 2, 3, 4, 5]
 CHAT = [{"role": "user", "content": "Hi there"}]
 
 
-def main(url: str, model: str) -> None:
+def main(url: str, model: str, mode: str = "") -> None:
     from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import PauseMode, RemoteInferenceClient
     from skyrl.backends.skyrl_train.weight_sync.control_plane import SkyrlWeightSyncClient
 
@@ -32,6 +35,11 @@ def main(url: str, model: str) -> None:
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]}, "num_samples": 2,
         "sampling_params": {"temperature": 1.0, "max_tokens": 6, "seed": 42},
         "include_prompt_logprobs": True, "topk_prompt_logprobs": 2}})))
+    if mode == "score":
+        barrier()
+        loop.run_until_complete(client.teardown())
+        loop.close()
+        return
     step("completion", run(lambda: client.completion({"json": {
         "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "logprobs": 1, "return_token_ids": True}})))
     step("chat_completion", run(lambda: client.chat_completion({"json": {
@@ -66,6 +74,6 @@ def main(url: str, model: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2])
+        main(*sys.argv[1:4])
     finally:
         emit()

@@ -1,5 +1,8 @@
 """Drives TRL 1.16's vLLM clients, unchanged, against a server: ``python trl_driver.py URL``.
 
+``python trl_driver.py URL ADAPTER``: teacher scoring only (``get_sequence_logprobs``), by the base model and then by
+the LoRA adapter ``ADAPTER`` (the client's ``model`` attribute, which every request sends, set to the adapter's name).
+
 ``trl.generation.vllm_client.VLLMClient`` (GRPOTrainer/RLOOTrainer with ``vllm_mode="server"``) and
 ``trl.experimental.async_grpo.vllm_client.VLLMClient`` (async GRPO). Every call a trainer makes, in the order it
 makes them; prints a JSON report (tests/test_trainers.py checks it)."""
@@ -14,7 +17,10 @@ from common import REPORT, barrier, emit, step  # type: ignore[import-not-found]
 warnings.filterwarnings("ignore")  # trl warns that vLLM 0.32 is newer than the versions it lists
 
 
-def main(url: str) -> None:
+SEQ = [[1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def main(url: str, adapter: str = "") -> None:
     from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncGRPOClient
     from trl.generation.vllm_client import VLLMClient
 
@@ -22,6 +28,12 @@ def main(url: str) -> None:
     if client is None:
         return
     REPORT["init"]["value"] = {"model": client.model}
+    if adapter:
+        step("get_sequence_logprobs", lambda: client.get_sequence_logprobs(SEQ, [4], top_logprobs=3))
+        client.model = adapter
+        step("get_sequence_logprobs.adapter", lambda: client.get_sequence_logprobs(SEQ, [4], top_logprobs=3))
+        barrier()
+        return
 
     def server_info() -> dict:
         cfg = client.get_server_info()
@@ -37,8 +49,7 @@ def main(url: str) -> None:
     step("chat", lambda: client.chat([[{"role": "user", "content": "Hi there"}]], temperature=0.0, max_tokens=6,
                                      logprobs=1))
     # Teacher scoring (distillation): prompt logprobs of whole sequences.
-    step("get_sequence_logprobs", lambda: client.get_sequence_logprobs([[1, 2, 3, 4, 5, 6, 7, 8]], [4],
-                                                                       top_logprobs=3))
+    step("get_sequence_logprobs", lambda: client.get_sequence_logprobs(SEQ, [4], top_logprobs=3))
     barrier()
     step("reset_prefix_cache", client.reset_prefix_cache)
     # Weight sync: vLLM's NCCL weight-transfer engine, which needs CUDA (a CPU server has none).
@@ -69,6 +80,6 @@ def main(url: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1])
+        main(*sys.argv[1:3])
     finally:
         emit()

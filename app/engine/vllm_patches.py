@@ -1,0 +1,232 @@
+"""tito's fixes to vLLM 0.32, applied inside the engine's worker processes (from ``app/engine/worker.py``).
+
+Each fix names the upstream vLLM issue or pull request it stands in for and is applied only on the vLLM versions it
+was written against (``SUPPORTED``): on another version nothing is patched and a warning says so, since the code
+being wrapped may have changed. ``TITO_VLLM_PATCHES=0`` in the server's environment leaves vLLM as it is (to show that
+the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/lora-exactness.md describes them.
+
+1. Prompt logprobs under LoRA (vLLM issues 16668 and 17766; 51594 for an ``lm_head`` adapter): vLLM computes a
+   request's prompt logits with the LoRA LM head (``LogitsProcessorWithLoRA``) under the step's *sampler* mapping,
+   one adapter index per sampled row, while the rows are the request's prompt tokens. On CPU the shapes clash (or,
+   when the counts happen to match, the wrong adapters are applied); on GPU the Triton kernels take the mapping
+   unchecked. The fix: while vLLM computes the prompt logits of a request, the sampler mapping is the per-token one
+   vLLM already built for the forward pass (``token_lora_indices``), restricted to that request's rows. Both model
+   runners: V1 (``_get_prompt_logprobs_dict``; CPU, and GPU without Triton) and V2 (``PromptLogprobsWorker``, the GPU
+   default). The GPU side is written from reading vLLM's code and has not been run on a GPU.
+2. "No adapter" rows on CPU (vLLM pull request 48421): the PyTorch LoRA ops of the CPU platform gather the adapter
+   weights with the index ``-1`` of a base-model row, which selects the *last* adapter slot. Once every slot holds an
+   adapter, base requests sharing a step with adapter requests get that adapter. The fix leaves ``-1`` rows untouched,
+   as the Triton kernels do (they return early on ``-1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("tito.vllm_patches")
+
+SUPPORTED = ("0.32.",)
+ENV = "TITO_VLLM_PATCHES"
+_MARK = "_tito_patch"
+
+_applied: list[str] = []
+
+
+def install() -> list[str]:
+    """Apply every fix once per process; returns the names of those applied (``[]`` when disabled or unsupported)."""
+    if _applied:
+        return list(_applied)
+    import vllm
+
+    if os.environ.get(ENV, "1") == "0":
+        log.warning("%s=0: vLLM's LoRA prompt-logprobs and CPU no-adapter fixes are NOT applied", ENV)
+        return []
+    if not vllm.__version__.startswith(SUPPORTED):
+        log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
+                    "and CPU base rows may be wrong", vllm.__version__, ", ".join(SUPPORTED))
+        return []
+    _patch_prompt_logprobs()
+    _applied.append("prompt-logprobs-per-token-lora (vLLM #16668, #17766, #51594)")
+    _patch_cpu_no_lora_rows()
+    _applied.append("cpu-lora-no-adapter-rows (vLLM #48421)")
+    log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
+    return list(_applied)
+
+
+# ------------------------------------------------------------------------------------------ 1. prompt logprobs
+
+
+def _patch_prompt_logprobs() -> None:
+    """vLLM issues 16668 and 17766 (and 51594 for an ``lm_head`` adapter): prompt logits under the sampler mapping."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner inherits this method
+
+    original = GPUModelRunner._get_prompt_logprobs_dict
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _get_prompt_logprobs_dict(self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]) -> Any:
+        punica = _lm_head_punica(self.get_model()) if self.num_prompt_logprobs and self.lora_config else None
+        if punica is None:  # no LoRA LM head: the prompt logits do not depend on the LoRA mapping
+            return original(self, hidden_states, num_scheduled_tokens)
+        model = self.model
+        # vLLM calls ``self.model.compute_logits(hidden_states[offset : offset + n])`` once per request.
+        model.compute_logits = _per_token(model.compute_logits, hidden_states, punica)  # this call only
+        try:
+            return original(self, hidden_states, num_scheduled_tokens)
+        finally:
+            del model.compute_logits
+
+    setattr(_get_prompt_logprobs_dict, _MARK, True)
+    GPUModelRunner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict  # type: ignore[method-assign]
+    _patch_model_runner_v2()
+
+
+def _patch_model_runner_v2() -> None:
+    """The same fix in vLLM's Model Runner V2 (the default on GPU machines with Triton), which hands its prompt
+    logprobs worker ``model.compute_logits`` and slices of the step's hidden states (chunks of every row, or one
+    request's rows). Not importable on CPU builds without Triton: then there is nothing to patch."""
+    try:
+        from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+    except Exception:  # noqa: BLE001 - any import failure means this runner cannot run here either
+        return
+    for name in ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs"):
+        original = getattr(PromptLogprobsWorker, name, None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def patched(self: Any, logits_fn: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+                model = getattr(logits_fn, "__self__", None)
+                punica = _lm_head_punica(model) if model is not None else None
+                if punica is not None:
+                    logits_fn = _per_token(logits_fn, hidden_states, punica)
+                return original(self, logits_fn, hidden_states, *args, **kwargs)
+
+            setattr(patched, _MARK, True)
+            return patched
+
+        setattr(PromptLogprobsWorker, name, make(original))
+
+
+def _per_token(compute: Callable[[Any], Any], hidden_states: Any, punica: Any) -> Callable[[Any], Any]:
+    """``compute`` (the model's ``compute_logits``) run on a row slice of ``hidden_states`` with those rows' own
+    adapter indices: the per-token mapping vLLM built for the forward pass."""
+
+    def compute_logits(rows: Any) -> Any:
+        row = row_of(rows, hidden_states)
+        with _sampler_mapping(punica, punica.token_lora_indices[row:row + rows.shape[0]]):
+            return compute(rows)
+
+    return compute_logits
+
+
+def _lm_head_punica(model: Any) -> Any:
+    """The punica wrapper of the model's LoRA LM head, or None (the LM head not wrapped for LoRA)."""
+    import torch
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+
+    if not isinstance(model, torch.nn.Module) and hasattr(model, "unwrap"):  # a CUDA graph wrapper (GPU)
+        model = model.unwrap()
+    if not isinstance(model, torch.nn.Module):
+        return None
+    cached = getattr(model, "_tito_lm_head_punica", None)
+    if cached is not None:
+        return cached[0]
+    punica = next((m.punica_wrapper for m in model.modules() if isinstance(m, LogitsProcessorWithLoRA)), None)
+    model.__dict__["_tito_lm_head_punica"] = (punica,)  # a plain attribute, beside the module's own
+    return punica
+
+
+def row_of(view: Any, base: Any) -> int:
+    """The first row of ``base`` that ``view`` (a row slice of it) starts at. Fails loudly on anything else, so a
+    change in vLLM's code cannot turn into silently misapplied adapters."""
+    same = view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and view.stride() == base.stride()
+    row, rest = divmod(view.storage_offset() - base.storage_offset(), base.stride(0)) if same else (-1, 1)
+    if rest or row < 0 or row + view.shape[0] > base.shape[0]:
+        raise RuntimeError("tito's LoRA prompt-logprobs fix: the prompt rows are not a slice of the step's hidden "
+                           "states (vLLM's _get_prompt_logprobs_dict changed?)")
+    return int(row)
+
+
+@contextlib.contextmanager
+def _sampler_mapping(punica: Any, indices: Any) -> Iterator[None]:
+    """``punica.sampler_indices`` (what the LoRA LM head reads) is ``indices`` inside the block, then as before. The
+    GPU wrapper reads the same mapping through ``prompt_mapping_meta``, prepared from it as vLLM does per step."""
+    saved_len = punica.indices_len[1]
+    saved = punica._sampler_indices[:saved_len].clone()
+    meta = getattr(punica, "prompt_mapping_meta", None)
+
+    def set_mapping(values: Any) -> None:
+        punica._sampler_indices[:values.shape[0]].copy_(values)
+        punica.indices_len[1] = int(values.shape[0])
+        if meta is not None:
+            with _sync_allowed():
+                meta.prepare_tensors(punica.sampler_indices)
+
+    set_mapping(indices.clone())
+    try:
+        yield
+    finally:
+        set_mapping(saved)
+
+
+def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:  # pragma: no cover - the helper moved; the GPU wrapper itself would fail to import
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
+
+
+# ------------------------------------------------------------------------------------------ 2. CPU "no adapter" rows
+
+
+def _patch_cpu_no_lora_rows() -> None:
+    """vLLM pull request 48421: the CPU LoRA ops read index -1 (no adapter) as the last slot."""
+    import vllm.lora.ops.torch_ops as package
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        original = getattr(lora_ops, name)
+        if getattr(original, _MARK, False):
+            continue
+        fixed = _skipping_no_lora_rows(original)
+        # lora_ops' own sgmv_* ops call these through the module; the CPU wrapper and the package imported them.
+        for module in (lora_ops, package, punica_cpu):
+            if getattr(module, name, None) is original:
+                setattr(module, name, fixed)
+
+
+def _skipping_no_lora_rows(op: Callable[..., None]) -> Callable[..., None]:
+    """``op(inputs, weights, output, indices, ...)`` writing into ``output``, leaving the rows whose index is -1 as
+    they were (the Triton kernels' early exit)."""
+
+    @functools.wraps(op)
+    def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
+        none = indices < 0
+        if not bool(none.any()):
+            op(inputs, weights, output, indices, *args, **kwargs)
+            return
+        import torch
+
+        rows = output.shape[0]
+        if none.shape[0] == 1:  # one index broadcast over every row
+            mask = none.expand(rows)
+        else:
+            mask = torch.zeros(rows, dtype=torch.bool, device=output.device)
+            k = min(rows, none.shape[0])
+            mask[:k] = none[:k]
+        kept = output[mask].clone()
+        op(inputs, weights, output, indices, *args, **kwargs)
+        output[mask] = kept
+
+    setattr(fixed, _MARK, True)
+    return fixed

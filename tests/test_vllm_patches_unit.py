@@ -1,0 +1,130 @@
+"""Fast tests (no engine) of tito's fixes to vLLM (app/engine/vllm_patches.py), on vLLM's own code: the CPU
+platform's LoRA ops and punica wrapper, and the V1 model runner's prompt-logprobs loop (chunked prefill included,
+which tito's CPU engine never schedules). Each test also runs vLLM's unpatched code (``__wrapped__``) and shows the
+bug, so it fails if the fix is gone. The real-engine evidence is tests/test_lora_exactness.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from app.engine import vllm_patches
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched() -> None:
+    assert vllm_patches.install(), "the fixes were not applied (vLLM version, or TITO_VLLM_PATCHES=0)"
+
+
+def test_cpu_ops_leave_no_adapter_rows_alone() -> None:
+    """Row 1 has no adapter (-1): shrink and expand leave it as it was; the other rows get their own slot."""
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 1, 4, 8, generator=gen)  # (slots, 1, rank, hidden)
+    b = torch.randn(2, 1, 6, 4, generator=gen)  # (slots, 1, out, rank)
+    x = torch.randn(3, 8, generator=gen)
+    idx = torch.tensor([0, -1, 1])
+    buf = torch.zeros(3, 4)
+    lora_ops.bgmv_shrink(x, a, buf, idx, 1.0)
+    assert torch.equal(buf[1], torch.zeros(4))
+    assert torch.allclose(buf[0], a[0, 0] @ x[0]) and torch.allclose(buf[2], a[1, 0] @ x[2])
+    y = torch.ones(3, 6)
+    lora_ops.bgmv_expand(torch.randn(3, 4, generator=gen), b, y, idx, add_inputs=True)
+    assert torch.equal(y[1], torch.ones(6)) and not torch.equal(y[0], torch.ones(6))
+    lora_ops.bgmv_expand_slice(torch.randn(3, 4, generator=gen), b, y, idx, 0, 6, add_inputs=False)
+    assert torch.equal(y[1], torch.ones(6))
+    # vLLM's own op: the -1 row gets the last slot's adapter.
+    unfixed = torch.zeros(3, 4)
+    lora_ops.bgmv_shrink.__wrapped__(x, a, unfixed, idx, 1.0)  # type: ignore[attr-defined]
+    assert torch.allclose(unfixed[1], a[1, 0] @ x[1])
+
+
+def test_cpu_punica_prefill_keeps_base_rows_base() -> None:
+    """The CPU punica wrapper's prefill path (sgmv ops over runs of equal indices), as a LoRA linear layer calls it,
+    with both slots holding an adapter: the base request's rows are left as the base layer computed them."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    punica = PunicaWrapperCPU(16, 4, "cpu")
+    # LoRA ids per token: adapter 1 (slot 0) x2, base x3, adapter 2 (slot 1) x1.
+    punica.update_metadata(LoRAMapping((1, 1, 0, 0, 0, 2), (1, 0, 2), is_prefill=True), [1, 2], 2, 512)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 1, 4, 8, generator=gen)
+    b = torch.randn(2, 1, 6, 4, generator=gen)
+    x = torch.randn(6, 8, generator=gen)
+    y = torch.zeros(6, 6)
+    punica.add_lora_linear(y, x, (a,), (b,), 1.0, (6,))
+    assert torch.equal(y[2:5], torch.zeros(3, 6))
+    assert torch.allclose(y[0], b[0, 0] @ (a[0, 0] @ x[0]), atol=1e-5)
+    assert torch.allclose(y[5], b[1, 0] @ (a[1, 0] @ x[5]), atol=1e-5)
+
+
+class _Model:
+    """Stands for the LoRA model: records the LM head's mapping (``sampler_indices``) at every logits call."""
+
+    def __init__(self, punica: Any, w: torch.Tensor) -> None:
+        self.punica, self.w, self.seen = punica, w, []  # type: list[list[int]]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.punica.sampler_indices.tolist())
+        return hidden @ self.w
+
+
+def _runner(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Model, torch.Tensor, dict[str, int]]:
+    """One step of three requests: A (adapter 1, slot 0) in the middle of a chunked prefill of its 10-token prompt,
+    B (base) prefilling its whole 3-token prompt, C (adapter 2, slot 1) decoding; A and B ask for prompt logprobs."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    from vllm.v1.sample.sampler import Sampler
+
+    punica = PunicaWrapperCPU(32, 4, "cpu")
+    punica.update_metadata(LoRAMapping((1, 1, 1, 1, 0, 0, 0, 2), (1, 0, 2), is_prefill=True), [1, 2], 2, 512)
+    model = _Model(punica, torch.randn(8, 16, generator=torch.Generator().manual_seed(2)))
+    monkeypatch.setattr(vllm_patches, "_lm_head_punica", lambda m: punica)
+    requests = {"A": SimpleNamespace(prompt_token_ids=list(range(1, 11)), in_progress_prompt_logprobs_cpu=None,
+                                     num_computed_tokens=4),
+                "B": SimpleNamespace(prompt_token_ids=[7, 8, 9], in_progress_prompt_logprobs_cpu=None,
+                                     num_computed_tokens=0)}
+    runner = SimpleNamespace(
+        num_prompt_logprobs={"A": 1, "B": 1}, requests=requests, device="cpu", model=model, lora_config=object(),
+        get_model=lambda: model, input_batch=SimpleNamespace(req_id_to_index={"A": 0, "B": 1, "C": 2}),
+        query_start_loc=SimpleNamespace(np=np.array([0, 4, 7, 8])), model_config=SimpleNamespace(
+            logprobs_mode="raw_logprobs"), sampler=Sampler(), _sync_device=lambda: None)
+    hidden = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    return runner, model, hidden, {"A": 4, "B": 3, "C": 1}
+
+
+def test_prompt_logits_use_each_rows_own_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's prompt rows through its own adapter (chunk rows of A: slot 0; B's rows: none), the step's
+    sampler mapping put back afterwards, and B's finished prompt logprobs returned."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner, model, hidden, scheduled = _runner(monkeypatch)
+    out = GPUModelRunner._get_prompt_logprobs_dict(runner, hidden, scheduled)  # type: ignore[arg-type]
+    assert model.seen == [[0, 0, 0, 0], [-1, -1]]
+    assert model.punica.sampler_indices.tolist() == [0, -1, 1]
+    assert set(out) == {"B"} and "compute_logits" not in vars(model)
+    want = torch.log_softmax(hidden[4:6] @ model.w, dim=-1)[torch.arange(2), torch.tensor([8, 9])]
+    assert torch.allclose(out["B"].logprobs[:, 0], want)
+
+
+def test_unpatched_prompt_logits_use_the_sampler_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 as shipped (vLLM issues 16668, 17766): every request's prompt rows see the per-request sampler
+    mapping, three indices for four (then two) rows: the CPU ops' shapes clash, GPU kernels misapply adapters."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner, model, hidden, scheduled = _runner(monkeypatch)
+    GPUModelRunner._get_prompt_logprobs_dict.__wrapped__(runner, hidden, scheduled)  # type: ignore[attr-defined]
+    assert model.seen == [[0, -1, 1], [0, -1, 1]]
+
+
+def test_prompt_rows_that_are_not_a_slice_fail_loudly() -> None:
+    hidden = torch.zeros(6, 4)
+    assert vllm_patches.row_of(hidden[2:5], hidden) == 2
+    with pytest.raises(RuntimeError, match="not a slice"):
+        vllm_patches.row_of(hidden[2:5].clone(), hidden)
