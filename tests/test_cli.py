@@ -74,6 +74,7 @@ def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 2 and str(other) in out.stderr and str(missing) not in out.stderr
 
 
+@pytest.mark.engine
 def test_routed_experts_flag_is_refused_at_start_on_cpu(tiny_model: Path) -> None:
     """vLLM 0.32 captures routed experts only in its GPU model runner: on CPU the flag stops the start with the reason
     instead of serving ``routed_experts: null`` to a router-replay trainer (docs/guides/lora-exactness.md)."""

@@ -28,6 +28,8 @@ from tests.reference import PeftReference
 from tests.sweep import fire_answers, shapes
 from tests.test_lora import make_weights, write_adapter
 
+pytestmark = pytest.mark.engine
+
 GEN = "/inference/v1/generate"
 TOL = 1e-4
 ADAPTERS = {"attn": ("q_proj", "v_proj"), "head": ("q_proj", "lm_head")}
