@@ -4,10 +4,10 @@ loopback peers, health) on tito's real gRPC server over a stand-in state."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -303,13 +303,60 @@ def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
     assert "http://rollout-0:8000" in cmd
 
 
-def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
-    from app.dynamo.sidecar import stop
+SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('up', flush=True)\ntime.sleep(60)"]
 
-    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\ntime.sleep(60)"])
-    try:
-        time.sleep(0.5)  # its handler is installed
-        assert stop(child, timeout=10) == 7
-    finally:
-        child.kill()
+
+def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_withdraws_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """app/dynamo/supervisor.py on a stand-in child (the real sidecar: tests/test_fleet.py): no start before the
+    server is ready; a killed child comes back (counted); withdraw SIGTERMs it and waits; rejoin starts a new one;
+    a child that keeps dying is given up after the bounded retries."""
+    from app.core.settings import Settings
+    from app.dynamo import supervisor as sv
+
+    monkeypatch.setattr(sv, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(sv, "POLL_S", 0.02)
+
+    async def until(pred: Any, what: str) -> None:
+        for _ in range(500):
+            if pred():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(what)
+
+    async def run() -> None:
+        sup = sv.SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+        sup.cmd = SLEEPER
+        ready = {"now": False}
+        sup.start(lambda: ready["now"])
+        await asyncio.sleep(0.3)
+        assert sup.proc is None and sup.info()["sidecar"] == "waiting"
+        ready["now"] = True
+        await until(lambda: sup.proc is not None, "a start once ready")
+        first = sup.proc
+        assert first is not None and sup.info()["sidecar"] == "running"
+        first.kill()
+        await until(lambda: sup.proc is not None and sup.proc is not first, "a restart")
+        assert sup.info()["restarts"] == 1 and sup.info()["last_exit"]["code"] == -9
+        await asyncio.sleep(0.5)  # its SIGTERM handler is installed
+        second = sup.proc
+        assert second is not None
+        await sup.withdraw("drain")
+        assert second.returncode == 7 and sup.info()["sidecar"] == "stopped" and sup.info()["reason"] == "drain"
+        await asyncio.sleep(0.3)
+        assert sup.proc is None  # withdrawn: no restart
+        sup.rejoin()
+        await until(lambda: sup.proc is not None, "a new sidecar after rejoin")
+        assert sup.info()["restarts"] == 1  # a rejoin is not a restart
+        sup.stop_now()
+        # A child that dies at once: restarted MAX_RESTARTS times, then given up.
+        monkeypatch.setattr(sv, "MAX_RESTARTS", 2)
+        dying = sv.SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+        dying.cmd = [sys.executable, "-c", "raise SystemExit(3)"]
+        dying.start(lambda: True)
+        await until(lambda: dying.status == "failed", "giving up")
+        assert dying.restarts == 2 and dying.last_exit is not None and dying.last_exit["code"] == 3
+        dying.stop_now()
+
+    asyncio.run(run())

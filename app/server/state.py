@@ -25,6 +25,8 @@ from app.weights.updates import WeightManager
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+    from app.dynamo.supervisor import SidecarSupervisor
+
 GENERATE_PREFIX = "generate-tokens-"
 # The prefixes of the ids clients see (the token API's, vLLM's completion and chat ids): a bare client id names all.
 CLIENT_PREFIXES = (GENERATE_PREFIX, "cmpl-", "chatcmpl-")
@@ -52,6 +54,10 @@ class AppState:
     by_client: dict[str, set[str]] = field(default_factory=dict)
     _seq: int = 0
     drain_started_at: float | None = None
+    # The child Dynamo sidecar's supervisor (``--dynamo-namespace``; app/dynamo/supervisor.py), and whether the replica
+    # is leaving the fleet right now (the sidecar stopping, before tito refuses work).
+    sidecar: SidecarSupervisor | None = None
+    leaving: bool = False
     finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _openai: Any = None  # vLLM's OpenAI layer over the engine, built on first use (openai_layer)
@@ -87,7 +93,7 @@ class AppState:
 
     @weight_version.setter
     def weight_version(self, version: str) -> None:
-        self.weights.version = version
+        self.weights.relabel(version)
 
     @property
     def loras(self) -> dict[str, LoraEntry]:
@@ -145,6 +151,16 @@ class AppState:
             raise ApiError(503, "server is draining; send the request to another replica.",
                            headers={"Retry-After": "5"})
         self.weights.check_consistent()
+        restore_error = self.restore_error
+        if restore_error is not None:
+            raise ApiError(503, f"{restore_error}; send the request to another replica.",
+                           headers={"Retry-After": "5"})
+
+    @property
+    def restore_error(self) -> str | None:
+        """Why the weights this replica last committed could not be restored at start (app/weights/restore.py)."""
+        rec = self.weights.recorder
+        return rec.restore_error if rec is not None else None
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -157,6 +173,10 @@ class AppState:
             return "draining"
         if self.weights.inconsistent is not None:
             return "weights_inconsistent"
+        if self.restore_error is not None:
+            return "weights_not_restored"
+        if self.leaving:
+            return "leaving_fleet"
         if not self.ready:
             return "starting"
         return None
@@ -223,6 +243,21 @@ class AppState:
         return len(targets)
 
     # ------------------------------------------------------------------ drain
+
+    async def leave_fleet(self, reason: str) -> float | None:
+        """Out of Dynamo's discovery before refusing work: stop the child sidecar and wait until it has gone (its
+        in-flight streams finished); new work is still admitted meanwhile. Seconds it took; None without one."""
+        if self.sidecar is None:
+            return None
+        self.leaving = True
+        try:
+            return await self.sidecar.withdraw(reason)
+        finally:
+            self.leaving = False
+
+    def rejoin_fleet(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.rejoin()
 
     def start_drain(self) -> None:
         if not self.draining:
