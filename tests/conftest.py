@@ -34,6 +34,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -49,6 +51,10 @@ from tests.streaming import GEN, long_context_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every server of the run records its committed weights (--state-dir's default, $XDG_STATE_HOME/tito/...) in a
+    # directory of this run: no record of an earlier run is restored, none is left behind in the home directory.
+    if not os.environ.get("TITO_TEST_STATE_HOME"):
+        os.environ["TITO_TEST_STATE_HOME"] = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tito-state-")
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
     config.addinivalue_line("markers", "ends_server(name): ends the shared server ``name`` (runs after its last user)")
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
@@ -67,6 +73,12 @@ def _starts_engine(func: Callable[..., object]) -> bool:
     except (OSError, TypeError):
         return False
     return any(s in src for s in _STARTS_ENGINE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = os.environ.pop("TITO_TEST_STATE_HOME", None)
+    if state and os.path.basename(state).startswith("tito-state-"):
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
