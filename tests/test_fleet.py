@@ -134,8 +134,9 @@ def _info(r: ServerProcess) -> dict[str, Any]:
 
 
 def _instances(rl_url: str) -> dict[str, int]:
-    """admin URL -> instance id of every replica in RL discovery."""
-    return {w["admin_base_url"].rstrip("/"): w["instance_id"] for w in rl_workers(rl_url)}
+    """admin URL -> instance id of every live replica in RL discovery (a killed sidecar's record stays until its
+    lease lapses; the frontend's probe of it fails, and it is listed with an ``error`` and no admin URL)."""
+    return {w["admin_base_url"].rstrip("/"): w["instance_id"] for w in rl_workers(rl_url) if w.get("admin_base_url")}
 
 
 class Load:
@@ -265,16 +266,21 @@ def test_an_adapter_loaded_through_one_sidecar_is_served_by_the_fleet(
             load.more(30, "adapter requests through the frontend")
         load.check(f"adapter on b only (listed {listed_s:.1f}s after the load)")
         # An adapter loaded through tito's own HTTP route (as Prime-RL and TRL do) is not announced: Dynamo 1.6.1's
-        # sidecar registers the adapters loaded through its own route (and lists the engine's at its start only).
+        # sidecar registers the adapters loaded through its own route only. (b holds two adapters at most: "ad" goes.)
+        r = httpx.post(side_b + "/engine/update/unload_lora", json={"lora_name": "ad"}, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "success", r.text
         adapter2 = write_adapter(root / "ad2", make_weights(base_sd, 4))
         r = httpx.post(b.url + "/v1/load_lora_adapter", json={"lora_name": "ad2", "lora_path": str(adapter2)},
                        timeout=120)
         assert r.status_code == 200, r.text
+        # A later load through the sidecar: once the frontend lists it, it has seen everything announced before.
+        adapter3 = write_adapter(root / "ad3", make_weights(base_sd, 5))
         r = httpx.post(side_b + "/engine/update/load_lora", json={"lora_name": "ad3", "source": {
-            "uri": f"file://{path}"}}, timeout=120)  # a later load through the sidecar, as a marker of time
-        assert r.status_code == 200, r.text
+            "uri": f"file://{adapter3}"}}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "success", r.text
         wait_for(lambda: "ad3" in models_listed(fe), 60, "the second sidecar-loaded adapter at the frontend")
         assert "ad2" not in models_listed(fe)
+        assert "ad2" in {m["id"] for m in httpx.get(b.url + "/v1/models").json()["data"]}
         r = httpx.post(fe.url + GEN, json={"model": "ad2", "token_ids": PROMPTS[0], "sampling_params": {
             "max_tokens": 4}}, timeout=60)
         assert r.status_code == 404, r.text
