@@ -3,7 +3,8 @@ here) and a replica on an address of its own (a network namespace joined by a ve
 would be), with the frontend in the root namespace. Commands and traps: docs/guides/fleet.md.
 
 One replica, one engine start: it serves through the frontend with tito's own greedy tokens, RL discovery names its
-namespace address, and drain takes its keys out of etcd before the drain answers (undrain puts them back).
+namespace address, drain takes its keys out of etcd before the drain answers (undrain puts them back), and when its
+EngineCore dies the replica leaves etcd before it exits.
 Skipped, saying why, when etcd is not installed or network namespaces are not permitted (not root)."""
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def fleet(netns: Netns, etcd: str, tiny_model: Path,
     cmd = ["ip", "netns", "exec", netns.name, *tito_cmd(tiny_model, port, "--host", netns.addr,
            "--served-model-name", MODEL, "--grpc-port", str(free_port()), "--kv-events-port", "0", "--block-size",
            "32", "--num-kv-blocks", "128", "--dynamo-namespace", ns, "--dynamo-system-port", str(sys_port),
-           "--state-dir", str(tmp_path_factory.mktemp("etcd-replica-state")))]
+           "--state-dir", str(tmp_path_factory.mktemp("etcd-replica-state")), "--engine-death-exit-delay", "10")]
     env = engine_env({**common, "VLLM_HOST_IP": "127.0.0.1", "DYN_TCP_RPC_HOST": netns.addr,
                       "DYN_EVENT_PLANE_HOST": netns.addr, "DYN_SYSTEM_HOST": netns.addr})
     replica = ServerProcess(cmd, port, logs / "replica.log", env=env)
@@ -171,3 +172,18 @@ def test_a_replica_on_its_own_address_serves_through_etcd_discovery_and_drain_le
     assert via.status_code == 200 and via.json()["choices"][0]["token_ids"] == direct.json()["choices"][0]["token_ids"]
     print(f"FLEET etcd + netns: out of etcd {drained_s:.1f}s after POST /drain; back and serving "
           f"{time.monotonic() - t1:.1f}s after /undrain")
+
+    # The replica's last act: its EngineCore dies. tito stops the sidecar (out of etcd) before it exits.
+    import psutil
+
+    assert replica.proc is not None
+    [core] = [p for p in psutil.Process(replica.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+    t2 = time.monotonic()
+    core.kill()
+    wait_for(lambda: _keys(etcd, f"v1/instances/{ns}/") == [], 60, "the replica's keys gone from etcd", 0.1)
+    gone_s = time.monotonic() - t2
+    assert replica.proc.poll() is None  # still up (--engine-death-exit-delay): it left discovery first
+    assert replica.proc.wait(60) == 1
+    assert "leaving the fleet" in replica.log_text()
+    print(f"FLEET etcd + netns: EngineCore killed; out of etcd after {gone_s:.1f}s, tito exited "
+          f"{time.monotonic() - t2:.1f}s after the kill")
