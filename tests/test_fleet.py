@@ -155,10 +155,12 @@ def _texts(fe: ServerProcess, model: str = MODEL) -> list[str]:
 
 
 def _same(got: str, want: str) -> bool:
-    # Random weights sample byte tokens: a character split across the incremental detokenizer's steps (or across a
-    # migration, which re-sends prompt + tokens so far) may come out as U+FFFD. Another policy's answer differs in
-    # far more than that.
-    return got.replace("\ufffd", "") == want.replace("\ufffd", "")
+    # Random weights sample byte tokens: a character split across the incremental detokenizer's steps may come out
+    # as U+FFFD, and one split across a migration (re-sent as prompt + tokens so far) is lost, as vLLM's own
+    # detokenizer loses it. Another policy's answer differs in far more than one character.
+    got, want = got.replace("\ufffd", ""), want.replace("\ufffd", "")
+    return got == want or (len(want) == len(got) + 1 and any(want[:i] + want[i + 1:] == got
+                                                              for i in range(len(want))))
 
 
 class Load:
