@@ -8,6 +8,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -392,3 +393,34 @@ def test_a_stream_primed_with_a_prompt_ending_inside_a_character_emits_no_prompt
             boundary += 1
             assert len(want) == len(got) + 1 and any(want[:i] + want[i + 1:] == got for i in range(len(want)))
     assert boundary < 25
+
+
+def test_the_sidecar_gets_sigterm_when_tito_is_sigkilled(tmp_path: Path) -> None:
+    """A SIGKILLed tito cannot stop its sidecar; the parent-death signal does (no worker left in discovery with
+    nothing behind it). The stand-in child records the SIGTERM in a file."""
+    marker = tmp_path / "got-sigterm"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).write_text('x'), sys.exit(0)))\n"
+             "print('child up', flush=True)\ntime.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio, sys
+from app.core.settings import Settings
+from app.dynamo.supervisor import SidecarSupervisor
+async def main():
+    sup = SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+    sup.cmd = [sys.executable, "-c", {child!r}]
+    sup.start(lambda: True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""], cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "child up"
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists()
+    finally:
+        parent.kill()
