@@ -310,7 +310,7 @@ SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
 
 def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_withdraws_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """app/dynamo/supervisor.py on a stand-in child (the real sidecar: tests/test_fleet.py): no start before the
+    """app/dynamo/supervisor.py on a stand-in child (the real sidecar: tests/test_sidecar_fleet.py): no start before the
     server is ready; a killed child comes back (counted); withdraw SIGTERMs it and waits; rejoin starts a new one;
     a child that keeps dying is given up after the bounded retries."""
     from app.core.settings import Settings

@@ -2,7 +2,7 @@
 (app/weights/restore.py): what is written after each kind of commit, that a new server on the same ``--state-dir``
 comes back at the recorded version before it is ready, and that a record it cannot restore keeps it not ready
 (never the base weights). The real-engine evidence (a SIGKILLed replica restarted in a Dynamo fleet, its answers
-compared with a replica that never restarted) is tests/test_fleet.py."""
+compared with a replica that never restarted) is tests/test_sidecar_fleet.py."""
 
 from __future__ import annotations
 

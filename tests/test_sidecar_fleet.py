@@ -10,7 +10,8 @@ anything), b's sidecar is SIGKILLed (restarted, rejoins), an adapter is loaded t
 the fleet), and a Prime-style run: step 1 a weight directory, step 2 a staged delta, then b's process group is
 SIGKILLed under load and restarted with the same command line (it comes back at step 2, restored from its weight
 record, before it rejoins), then step 3. One restart in all. Every figure of docs/guides/fleet.md's table is printed
-here (``FLEET`` lines).
+here (``FLEET`` lines). Named to run just before test_sidecar_grpc.py and test_sidecar_serve.py, which use the same
+two replicas (no extra engine start beside the one restart; test_sidecar_serve.py shuts b down at its end).
 """
 
 from __future__ import annotations
