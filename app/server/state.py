@@ -7,7 +7,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
@@ -25,7 +25,17 @@ from app.weights.updates import WeightManager
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from app.dynamo.supervisor import SidecarSupervisor
+
+class FleetMembership(Protocol):
+    """What the server needs of the child Dynamo sidecar's supervisor (app/dynamo/supervisor.py)."""
+
+    wanted: bool
+
+    async def withdraw(self, reason: str) -> float: ...
+
+    def rejoin(self) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
 
 GENERATE_PREFIX = "generate-tokens-"
 # The prefixes of the ids clients see (the token API's, vLLM's completion and chat ids): a bare client id names all.
@@ -56,7 +66,7 @@ class AppState:
     drain_started_at: float | None = None
     # The child Dynamo sidecar's supervisor (``--dynamo-namespace``; app/dynamo/supervisor.py), and whether the replica
     # is leaving the fleet right now (the sidecar stopping, before tito refuses work).
-    sidecar: SidecarSupervisor | None = None
+    sidecar: FleetMembership | None = None
     leaving: bool = False
     finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
