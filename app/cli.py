@@ -77,12 +77,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from app.server.reqlog import RequestLog
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
-    if settings.dynamo_namespace:
-        from app.dynamo.sidecar import run_sidecar
-
-        with run_sidecar(settings):  # Dynamo's vLLM sidecar beside the server; stopped when the server exits
-            return serve(app, settings.host, settings.port)
-    return serve(app, settings.host, settings.port)
+    try:
+        return serve(app, settings.host, settings.port)
+    finally:
+        if app.state.sidecar is not None:  # Dynamo's sidecar (app/dynamo/supervisor.py) never outlives the server
+            app.state.sidecar.stop_now()
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:

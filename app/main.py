@@ -42,6 +42,10 @@ async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) ->
         await asyncio.sleep(interval)
     cause = state.engine_death_cause()
     state.ready = False
+    if state.sidecar is not None and state.sidecar.wanted:
+        # Out of discovery before anything else: nothing behind this worker any more.
+        log.error("engine is dead (%s): leaving the fleet", cause)
+        await state.sidecar.withdraw("engine dead")
     if state.shutting_down:
         # E.g. Ctrl-C in a terminal reaches the EngineCore too; the shutdown already under way finishes the job.
         log.warning("engine stopped during shutdown: %s", cause)
@@ -77,6 +81,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not task.cancelled() and task.exception() is None:
             watcher = asyncio.ensure_future(_watch_engine(app, task.result()))
 
+    sidecar = app.state.sidecar
+    if sidecar is not None:
+        # Starts Dynamo's sidecar once the server is ready (its weights restored), restarts it if it dies.
+        sidecar.start(lambda: app.state.tito is not None and app.state.tito.not_ready_reason is None)
     try:
         if engine is None:
             starter = asyncio.ensure_future(start_engine(app))
@@ -90,6 +98,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             state.begin_shutdown()
         if watcher is not None:
             watcher.cancel()
+        if sidecar is not None:  # out of discovery before the engine goes (done already after a SIGTERM drain)
+            await sidecar.withdraw("shutdown")
+            sidecar.stop_now()
         build = app.state.engine_build
         if build is not None and not build.done():
             log.info("shutting down during start-up: waiting for the engine being built, to stop it")
@@ -199,6 +210,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.settings = settings
     app.state.engine_override = engine
     app.state.services = _services(settings)
+    app.state.sidecar = None
+    if settings.dynamo_namespace:
+        from app.dynamo.supervisor import SidecarSupervisor
+
+        app.state.sidecar = SidecarSupervisor(settings)  # Dynamo's vLLM sidecar, as a supervised child
     for r in ALL:
         app.include_router(r)
     _install_error_handlers(app)

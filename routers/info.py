@@ -151,9 +151,13 @@ async def server_info_body(state: AppState, request: Request | None) -> dict[str
             "weight_update_running": state.weights.busy,
             # Staged versions, Prime-RL's active version and the workers' delta copy (app/weights/staging.py).
             "staging": state.staging.info(),
+            # What a restart restores (app/weights/record.py): the record, and how the last start restored it.
+            "weight_record": state.weights.recorder.info() if state.weights.recorder is not None else None,
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },
+        # The child Dynamo sidecar (--dynamo-namespace): running | restarting | stopping | stopped | failed | waiting.
+        "dynamo": state.sidecar.info() if state.sidecar is not None else None,
         "routes": route_map(request, s.protect_metrics) if request is not None else None,
     }
 

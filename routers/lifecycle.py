@@ -53,6 +53,8 @@ async def drain(request: Request, state: AppState = Depends(get_state)) -> Respo
     req: DrainRequest = await _body(request, DrainRequest)
     t0 = time.monotonic()
     already = state.draining
+    # Out of the fleet first (the child sidecar stops, the frontend stops routing here), then refuse.
+    left = None if already or state.shutting_down else await state.leave_fleet("drain")
     state.start_drain()
     at_start = state.inflight
     if not already:
@@ -65,6 +67,7 @@ async def drain(request: Request, state: AppState = Depends(get_state)) -> Respo
         "finished": state.finished_since_drain,
         "still_running": state.inflight,
         "waited_s": round(time.monotonic() - t0, 3),
+        "left_fleet_s": round(left, 3) if left is not None else None,
     })
 
 
@@ -78,6 +81,7 @@ async def _undrain(state: AppState) -> Response:
         raise ApiError(409, "server is shutting down; it cannot be undrained.")
     was = state.draining
     state.stop_drain()
+    state.rejoin_fleet()  # a new sidecar: back in discovery
     if was:
         log.info("undrained: admitting new requests")
     return json_response({"status": "admitting", **_drain_status(state)})

@@ -37,6 +37,8 @@ model) keep their own.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every server of the run records its committed weights (--state-dir's default, $XDG_STATE_HOME/tito/...) in a
+    # directory of this run: no record of an earlier run is restored, none is left behind in the home directory.
+    if not os.environ.get("TITO_TEST_STATE_HOME"):
+        os.environ["TITO_TEST_STATE_HOME"] = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tito-state-")
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
     config.addinivalue_line("markers", "ends_server(name): ends the shared server ``name`` (runs after its last user)")
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
@@ -73,6 +79,12 @@ ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lor
 def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
     return [item.nodeid for item in items if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
             and item.get_closest_marker("engine") is None]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = os.environ.pop("TITO_TEST_STATE_HOME", None)
+    if state and os.path.basename(state).startswith("tito-state-"):
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -190,14 +190,17 @@ def dynamo_env(kv_dir: Path) -> dict[str, str]:
             "DYN_LOG": "warn"}
 
 
-def start_frontend(env: dict[str, str], log: Path, mode: str = "kv") -> tuple[ServerProcess, str]:
-    """Dynamo's frontend (OpenAI API, ``/inference/v1/generate``, RL discovery); returns it and its RL URL."""
+def start_frontend(env: dict[str, str], log: Path, mode: str = "kv",
+                   extra_env: dict[str, str] | None = None) -> tuple[ServerProcess, str]:
+    """Dynamo's frontend (OpenAI API, ``/inference/v1/generate``, RL discovery, request migration); returns it and its
+    RL URL. ``extra_env``: e.g. ``DYN_LORA_ENABLED=true`` (LoRA-aware routing)."""
     port = free_port()
     while (rl := free_port()) == port:
         pass
     cmd = [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
            "--router-mode", mode, "--migration-limit", "3"]
-    extra = {"DYN_ENABLE_RL": "true", "DYN_RL_PORT": str(rl), "DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "true"}
+    extra = {"DYN_ENABLE_RL": "true", "DYN_RL_PORT": str(rl), "DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "true",
+             **(extra_env or {})}
     proc = ServerProcess(cmd, port, log, env=engine_env({**env, **extra}), health_path="/live").start(timeout=120)
     return proc, f"http://127.0.0.1:{rl}"
 

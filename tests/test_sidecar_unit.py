@@ -4,10 +4,11 @@ loopback peers, health) on tito's real gRPC server over a stand-in state."""
 
 from __future__ import annotations
 
-import select
+import asyncio
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.core.protocol import ApiError
-from app.engine.sampling import Limits, build_sampling_params
 from app.grpc.detokenize import Detokenizer
 from app.grpc.proto import vllm_control_pb2 as cpb
 from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
@@ -28,8 +28,6 @@ from app.grpc.vllm_inference import to_generate_request
 from app.grpc.vllm_native import is_loopback_peer
 from tests.helpers import ROOT
 from tests.test_grpc_auth import ADMIN, KEY, StandInState, _code
-
-LIMITS = Limits(vocab_size=512, max_model_len=64, max_num_seqs=4, max_logprobs=5, priority_scheduling=False)
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -124,35 +122,6 @@ def test_refused_before_the_engine(msg: ipb.GenerateRequest, param: str) -> None
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_both_grpc_services_refuse_in_the_same_words() -> None:
-    """smg's VllmEngine and vLLM's vllm.Inference map their protos onto one path (app/grpc/token_request.py): what
-    neither can carry to a tokens-only server is refused in one wording (naming each proto's own field), and a
-    structured output in the token API's."""
-    from smg_grpc_proto import vllm_engine_pb2 as epb
-
-    from app.grpc import servicer
-    from app.grpc.vllm_inference import to_generate_request as native
-
-    def words(fn: Any, msg: Any) -> str:
-        with pytest.raises(ApiError) as e:
-            fn(msg)
-        assert e.value.status == 400
-        return e.value.message
-
-    ids = epb.TokenizedInput(input_ids=[1, 2, 3])
-    smg_mm = epb.GenerateRequest(tokenized=ids)
-    smg_mm.mm_inputs.im_token_id = 5
-    for smg, nat in ((epb.GenerateRequest(text="hi"), ipb.GenerateRequest(text="hi")),
-                     (epb.GenerateRequest(tokenized=ids, sampling_params=epb.SamplingParams(truncate_prompt_tokens=2)),
-                      _req(truncate_prompt_tokens=2)),
-                     (smg_mm, _req(media=[ipb.MediaItem(modality=ipb.MODALITY_IMAGE, url="http://x/y.png")])),
-                     (epb.GenerateRequest(tokenized=ids, sampling_params=epb.SamplingParams(regex="a+")),
-                      _req(decoding=ipb.DecodingParameters(regex="a+")))):
-        smg_words = words(lambda m: build_sampling_params(servicer.to_generate_request(m), LIMITS), smg)
-        # The one wording names the field each proto puts token ids in.
-        assert smg_words.replace("tokenized.input_ids", "token_ids") == words(native, nat)
-
-
 # ------------------------------------------------------------------------------------------------ text
 
 
@@ -163,7 +132,6 @@ def detok(tiny_model: Path) -> Detokenizer:
     return d
 
 
-@pytest.mark.engine
 def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("The sea was calm, and the ship sailed on.").ids
@@ -178,7 +146,6 @@ def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     assert Detokenizer.load(str(ROOT / "no-such-model")) is None
 
 
-@pytest.mark.engine
 def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("one two three four five").ids
@@ -337,16 +304,123 @@ def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
     assert "http://rollout-0:8000" in cmd
 
 
-def test_the_sidecar_child_is_stopped_with_sigterm() -> None:
-    from app.dynamo.sidecar import stop
+SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('up', flush=True)\ntime.sleep(60)"]
 
-    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('ready', flush=True)\n"
-                              "time.sleep(60)"], stdout=subprocess.PIPE)
+
+def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_withdraws_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """app/dynamo/supervisor.py on a stand-in child (the real sidecar: tests/test_sidecar_fleet.py): no start before the
+    server is ready; a killed child comes back (counted); withdraw SIGTERMs it and waits; rejoin starts a new one;
+    a child that keeps dying is given up after the bounded retries."""
+    from app.core.settings import Settings
+    from app.dynamo import supervisor as sv
+
+    monkeypatch.setattr(sv, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(sv, "POLL_S", 0.02)
+
+    async def until(pred: Any, what: str) -> None:
+        for _ in range(500):
+            if pred():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(what)
+
+    async def run() -> None:
+        sup = sv.SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+        sup.cmd = SLEEPER
+        ready = {"now": False}
+        sup.start(lambda: ready["now"])
+        await asyncio.sleep(0.3)
+        assert sup.proc is None and sup.info()["sidecar"] == "waiting"
+        ready["now"] = True
+        await until(lambda: sup.proc is not None, "a start once ready")
+        first = sup.proc
+        assert first is not None and sup.info()["sidecar"] == "running"
+        first.kill()
+        await until(lambda: sup.proc is not None and sup.proc is not first, "a restart")
+        assert sup.info()["restarts"] == 1 and sup.info()["last_exit"]["code"] == -9
+        await asyncio.sleep(0.5)  # its SIGTERM handler is installed
+        second = sup.proc
+        assert second is not None
+        await sup.withdraw("drain")
+        assert second.returncode == 7 and sup.info()["sidecar"] == "stopped" and sup.info()["reason"] == "drain"
+        await asyncio.sleep(0.3)
+        assert sup.proc is None  # withdrawn: no restart
+        sup.rejoin()
+        await until(lambda: sup.proc is not None, "a new sidecar after rejoin")
+        assert sup.info()["restarts"] == 1  # a rejoin is not a restart
+        sup.stop_now()
+        # A child that dies at once: restarted MAX_RESTARTS times, then given up.
+        monkeypatch.setattr(sv, "MAX_RESTARTS", 2)
+        dying = sv.SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+        dying.cmd = [sys.executable, "-c", "raise SystemExit(3)"]
+        dying.start(lambda: True)
+        await until(lambda: dying.status == "failed", "giving up")
+        assert dying.restarts == 2 and dying.last_exit is not None and dying.last_exit["code"] == 3
+        dying.stop_now()
+
+    asyncio.run(run())
+
+
+def test_a_stream_primed_with_a_prompt_ending_inside_a_character_emits_no_prompt_text(tmp_path: Path) -> None:
+    """A request Dynamo migrates after k tokens comes back as prompt + those k tokens: its text must continue the
+    first attempt's, not repeat it. tokenizers' DecodeStream, primed with a window that decodes with U+FFFD (byte
+    tokens split across it), returned prompt text as output (in 732 of 3,000 random cases here); the offsets
+    algorithm (vLLM's) never does. What may differ: a character split across the boundary (dropped, as vLLM does)."""
+    import random
+
+    from app.grpc.detokenize import Detokenizer
+    from app.tiny.model import make_tiny_model
+
+    d = Detokenizer.load(str(make_tiny_model(tmp_path / "tiny")))
+    assert d is not None
+    rng = random.Random(0)
+    boundary = 0
+    for _ in range(500):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randrange(4, 40))]
+        out = [rng.randrange(5, 500) for _ in range(16)]
+        k = rng.randrange(1, 15)
+        whole = d.stream(prompt)
+        whole.add(out)
+        first, rest = d.stream(prompt), d.stream(prompt + out[:k])
+        first.add(out[:k])
+        rest.add(out[k:])
+        want = whole.take(True).replace("\ufffd", "")
+        got = (first.take(True) + rest.take(True)).replace("\ufffd", "")
+        assert d.tokenizer.decode(out).replace("\ufffd", "") == want
+        if got != want:
+            boundary += 1
+            assert len(want) == len(got) + 1 and any(want[:i] + want[i + 1:] == got for i in range(len(want)))
+    assert boundary < 25
+
+
+def test_the_sidecar_gets_sigterm_when_tito_is_sigkilled(tmp_path: Path) -> None:
+    """A SIGKILLed tito cannot stop its sidecar; the parent-death signal does (no worker left in discovery with
+    nothing behind it). The stand-in child records the SIGTERM in a file."""
+    marker = tmp_path / "got-sigterm"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).write_text('x'), sys.exit(0)))\n"
+             "print('child up', flush=True)\ntime.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio, sys
+from app.core.settings import Settings
+from app.dynamo.supervisor import SidecarSupervisor
+async def main():
+    sup = SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
+    sup.cmd = [sys.executable, "-c", {child!r}]
+    sup.start(lambda: True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""], cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 30)  # its handler is installed
-        assert ready and child.stdout.readline() == b"ready\n"
-        assert stop(child, timeout=10) == 7
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "child up"
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists()
     finally:
-        child.kill()
+        parent.kill()

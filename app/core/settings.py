@@ -84,6 +84,12 @@ class Settings:
     # --- staged weight updates (/stage*, /commit; see docs/guides/staged-deltas.md)
     staging_dir: str | None = flag(None, "Where staged versions and uploads are kept (a fresh subdirectory per server, "
                                    "removed at exit; default: the system temp directory).")
+    state_dir: str | None = flag(
+        None, "Where tito records the weights it last committed (version, weight directory, staged full version and "
+        "the deltas on top), restored at start before it reports ready or joins discovery, so a restarted replica "
+        "never serves stale weights. Default: $XDG_STATE_HOME/tito/<port>-<hash of --model> (~/.local/state when "
+        "unset); on Kubernetes mount a volume that outlives the container (emptyDir) there. `off`: no record (a "
+        "restart serves --model's weights).")
     max_staged_versions: int = flag(2, "Staged versions kept on disk (staging another drops the oldest); uploads in "
                                     "progress: twice that, at least 4.")
     max_stage_bytes: int = flag(16 * 1024**3, "Largest staged upload (a file, or the total of its chunks): 413 beyond.")

@@ -6,7 +6,8 @@ The sidecar is Dynamo's worker for vLLM's native gRPC services: it connects to t
 KV-aware routing from the engine's KV events, cancellation), and with a system port (``--dynamo-system-port`` or
 ``DYN_SYSTEM_PORT``) serves engine-control routes and publishes tito's HTTP URL for RL trainers (``--enable-rl``:
 ``admin_base_url`` in the frontend's ``GET /v1/rl/workers``). A separate process keeps Dynamo's runtime threads out
-of the process that forks vLLM's engine. It is stopped (and leaves discovery) when the server exits.
+of the process that forks vLLM's engine. app/dynamo/supervisor.py runs it: started once the server is ready,
+stopped first when the replica drains or stops (it leaves discovery), restarted if it dies.
 
 Discovery and transport settings (``DYN_DISCOVERY_BACKEND``, ``DYN_FILE_KV``, ...) reach it through the environment.
 """
@@ -15,12 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from app.core.settings import Settings
 
@@ -79,32 +76,3 @@ def sidecar_command(settings: Settings, environ: dict[str, str] | None = None) -
         env.setdefault("DYN_LORA_ENABLED", "true")
     env.setdefault("DYN_LOG", "warn")  # the runtime logs every request-plane call at info
     return cmd, env
-
-
-@contextmanager
-def run_sidecar(settings: Settings) -> Iterator[subprocess.Popen[bytes]]:
-    """Run the sidecar for the server's life (its output joins the server's); SIGTERM and wait when it ends."""
-    if not dynamo_available():
-        raise SystemExit("tito: --dynamo-namespace needs Dynamo's sidecar: pip install 'tito[dynamo]' and "
-                         "pip install --no-deps ai-dynamo==1.6.1")
-    cmd, env = sidecar_command(settings)
-    proc = subprocess.Popen(cmd, env=env)
-    log.info("dynamo: sidecar pid %d for gRPC port %s in namespace %r, admin_base_url %s%s", proc.pid,
-             settings.grpc_port, settings.dynamo_namespace, admin_base_url(settings),
-             "" if "--enable-rl" in cmd else " (no system port: no RL discovery)")
-    try:
-        yield proc
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("dynamo: sidecar pid %d did not stop within %gs; killing it", proc.pid, timeout)
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode

@@ -3,7 +3,7 @@
 tito's engine loads no tokenizer (its HTTP API is tokens only, and vLLM's EOS handling differs with one loaded), but
 the Dynamo sidecar's frontend takes the detokenized text from the engine's stream and does not detokenize itself.
 So the gRPC inference service decodes the sampled tokens here with the model directory's fast tokenizer, as vLLM's
-own fast incremental detokenizer does (``tokenizers.decoders.DecodeStream``, primed with the end of the prompt), and
+own incremental detokenizer does (offsets into the ids, primed with the end of the prompt), and
 applies stop strings to that text the way vLLM does: matched after ``min_tokens``, cut before the stop string (or
 after it with ``include_stop_str_in_output``), with the last ``longest stop - 1`` characters held back until the
 stream ends or no stop string can start there.
@@ -53,12 +53,16 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool, stops: list[str],
                  include_stop: bool, min_tokens: int) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self._new = DecodeStream
         self.tokenizer = tokenizer
         self.skip_special = skip_special
-        self.decoder = DecodeStream(ids=prompt_ids[-PRIME_TOKENS:], skip_special_tokens=skip_special)
+        # vLLM's incremental detokenization (its slow path: offsets into the ids, the text between them decoded
+        # again), not tokenizers' DecodeStream primed with the prompt: when the primed window decodes with U+FFFD
+        # (it starts or ends inside a character, common with byte tokens), DecodeStream's first step returned text
+        # of the prompt as output, e.g. a request migrated by Dynamo after k tokens (re-sent as prompt + k tokens)
+        # then repeated those k tokens' text.
+        self.ids = list(prompt_ids[-PRIME_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
         self.min_tokens = min_tokens
@@ -69,11 +73,20 @@ class TextStream:
         self.stopped: str | None = None
 
     def _step(self, token_id: int) -> str | None:
-        try:
-            return self.decoder.step(self.tokenizer, token_id)  # type: ignore[no-any-return]
-        except Exception:  # noqa: BLE001 - vLLM does the same: restart without the prompt context
-            self.decoder = self._new(skip_special_tokens=self.skip_special)
-            return self.decoder.step(self.tokenizer, token_id)  # type: ignore[no-any-return]
+        ids = self.ids
+        ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special) \
+            if self.read_offset > self.prefix_offset else ""
+        new = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        if len(new) <= len(prefix) or new.endswith("\ufffd"):
+            return None  # an incomplete character: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        if self.prefix_offset > 64:  # keep the window short
+            del ids[:self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        return new[len(prefix):]
 
     def add(self, token_ids: list[int]) -> int:
         """Decode ``token_ids``; returns how many of them belong to the output (fewer when one completes a stop

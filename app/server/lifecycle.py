@@ -74,10 +74,24 @@ class TitoServer(uvicorn.Server):
 
     async def _drain_then_exit(self, state: AppState) -> None:
         try:
+            await leave_fleet(state, self._immediate)
             await drain_for_shutdown(state, state.settings.shutdown_timeout, self._immediate)
         except Exception:  # noqa: BLE001 - whatever happens, the server must still stop
             log.exception("shutdown drain failed")
         self.should_exit = True
+
+
+async def leave_fleet(state: AppState, immediate: asyncio.Event) -> None:
+    """SIGTERM with a child sidecar: out of discovery first, while still admitting what the frontend sends until it
+    has noticed (no dead worker in discovery while the engine goes down). A second signal stops waiting."""
+    if state.sidecar is None:
+        return
+    leave = asyncio.ensure_future(state.leave_fleet("shutdown"))
+    now = asyncio.ensure_future(immediate.wait())
+    try:
+        await asyncio.wait({leave, now}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        now.cancel()
 
 
 async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio.Event) -> None:

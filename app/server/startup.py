@@ -23,6 +23,8 @@ from app import __version__
 from app.engine.adapter import Engine
 from app.engine.sampling import configured_limits
 from app.server.state import AppState
+from app.weights.record import WeightRecord, resolve_state_dir
+from app.weights.restore import restore
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -67,6 +69,13 @@ async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     state.engine_processes = multiprocessing.active_children()
     state.limits = configured_limits(state.limits, settings)
     app.state.starting_state = state  # for the lifespan's shutdown, should it come before the start ends
+    state.sidecar = getattr(app.state, "sidecar", None)
+    # The weights this replica last committed, before it reports ready or joins discovery (app/weights/record.py).
+    state_dir = resolve_state_dir(settings.state_dir, settings.model, settings.port,
+                                  default=app.state.engine_override is None)
+    if state_dir is not None:
+        state.weights.recorder = WeightRecord(state_dir, settings.model, volatile=[state.staging.root])
+        await restore(state.weights, state.staging, state.weights.recorder)
     if settings.warmup:
         await engine.warmup()
     await start_services(app, state)

@@ -7,7 +7,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
@@ -24,6 +24,18 @@ from app.weights.updates import WeightManager
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
+
+
+class FleetMembership(Protocol):
+    """What the server needs of the child Dynamo sidecar's supervisor (app/dynamo/supervisor.py)."""
+
+    wanted: bool
+
+    async def withdraw(self, reason: str) -> float: ...
+
+    def rejoin(self) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
 
 GENERATE_PREFIX = "generate-tokens-"
 # The prefixes of the ids clients see (the token API's, vLLM's completion and chat ids): a bare client id names all.
@@ -52,6 +64,10 @@ class AppState:
     by_client: dict[str, set[str]] = field(default_factory=dict)
     _seq: int = 0
     drain_started_at: float | None = None
+    # The child Dynamo sidecar's supervisor (``--dynamo-namespace``; app/dynamo/supervisor.py), and whether the replica
+    # is leaving the fleet right now (the sidecar stopping, before tito refuses work).
+    sidecar: FleetMembership | None = None
+    leaving: bool = False
     finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _openai: Any = None  # vLLM's OpenAI layer over the engine, built on first use (openai_layer)
@@ -87,7 +103,7 @@ class AppState:
 
     @weight_version.setter
     def weight_version(self, version: str) -> None:
-        self.weights.version = version
+        self.weights.relabel(version)
 
     @property
     def loras(self) -> dict[str, LoraEntry]:
@@ -145,6 +161,16 @@ class AppState:
             raise ApiError(503, "server is draining; send the request to another replica.",
                            headers={"Retry-After": "5"})
         self.weights.check_consistent()
+        restore_error = self.restore_error
+        if restore_error is not None:
+            raise ApiError(503, f"{restore_error}; send the request to another replica.",
+                           headers={"Retry-After": "5"})
+
+    @property
+    def restore_error(self) -> str | None:
+        """Why the weights this replica last committed could not be restored at start (app/weights/restore.py)."""
+        rec = self.weights.recorder
+        return rec.restore_error if rec is not None else None
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -157,6 +183,10 @@ class AppState:
             return "draining"
         if self.weights.inconsistent is not None:
             return "weights_inconsistent"
+        if self.restore_error is not None:
+            return "weights_not_restored"
+        if self.leaving:
+            return "leaving_fleet"
         if not self.ready:
             return "starting"
         return None
@@ -223,6 +253,21 @@ class AppState:
         return len(targets)
 
     # ------------------------------------------------------------------ drain
+
+    async def leave_fleet(self, reason: str) -> float | None:
+        """Out of Dynamo's discovery before refusing work: stop the child sidecar and wait until it has gone (its
+        in-flight streams finished); new work is still admitted meanwhile. Seconds it took; None without one."""
+        if self.sidecar is None:
+            return None
+        self.leaving = True
+        try:
+            return await self.sidecar.withdraw(reason)
+        finally:
+            self.leaving = False
+
+    def rejoin_fleet(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.rejoin()
 
     def start_drain(self) -> None:
         if not self.draining:

@@ -388,7 +388,9 @@ class StagingManager:
                                                       self.settings.stage_timeout))
                 return results
 
-            origin = {"kind": "delta", "version": entry.version, "tensors": tensors}
+            # The artifact and its base: for the weight record (app/weights/record.py), which keeps a copy.
+            origin = {"kind": "delta", "version": entry.version, "tensors": tensors, "artifact": str(entry.artifact),
+                      "base_version": base, "sha256": entry.sha256}
             return await mgr.apply("delta", load, entry.version, entry.nbytes, f"committing delta {entry.version}",
                                    origin)
 

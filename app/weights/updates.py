@@ -23,6 +23,7 @@ from app.weights.safetensors_meta import HeaderError, read_tensors
 
 if TYPE_CHECKING:
     from app.engine.adapter import Engine
+    from app.weights.record import WeightRecord
 
 log = logging.getLogger("tito.weights")
 
@@ -275,6 +276,8 @@ class WeightManager:
         # Where the served weights came from: {"kind": "base"} (the model's own checkpoint), a checkpoint's files,
         # a delta commit, or None (a broadcast or native transfer: no copy on disk). Staged deltas need it.
         self.origin: dict[str, Any] | None = {"kind": "base"}
+        # What a restart comes back to (app/weights/record.py); None: no record (``--state-dir off``).
+        self.recorder: WeightRecord | None = None
 
     async def expected(self) -> dict[str, TensorInfo]:
         """The served model's own tensors (names, shapes, dtypes), read once from its checkpoint headers."""
@@ -405,6 +408,8 @@ class WeightManager:
             await eng.set_weight_version(version)
             self.version = version
             self.origin = origin
+            if self.recorder is not None:  # before generation resumes on these weights
+                self.recorder.committed(version, origin, source)
             # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
             if not await eng.reset_prefix_cache(reset_running_requests=True):
                 log.warning("prefix cache could not be fully reset after the weight update")
@@ -464,11 +469,19 @@ class WeightManager:
                 if version is not None:
                     self.version = version
                     metrics.WEIGHT_VERSION.info({"version": version})
+                if self.recorder is not None:
+                    self.recorder.committed(self.version, None, "native")
                 if not await self.engine.reset_prefix_cache(reset_running_requests=True):
                     log.warning("prefix cache could not be fully reset after the weight update")
                 await self._recovered()
                 metrics.WEIGHT_UPDATES.labels("native", "ok").inc()
             return out
+
+    def relabel(self, version: str) -> None:
+        """A new label for the weights being served (``/update_weight_version``)."""
+        self.version = version
+        if self.recorder is not None:
+            self.recorder.relabel(version)
 
     def _close_native(self) -> None:
         self.native_since = None
