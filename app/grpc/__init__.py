@@ -4,6 +4,6 @@ Dynamo's vLLM sidecar drives (``vllm_native``: registration and trust boundary; 
 with the text it decodes beside the engine in ``detokenize``; their generated modules in ``proto``), HTTP statuses as
 gRPC codes (``status``) and the KV-event relay (``kv_events``).
 
-Imports: ``app.core``, ``app.engine``, ``app.server``, and ``routers.info`` / ``routers.control`` / ``routers.weights``
-(the same server info, pause / resume and weight-transfer checks as HTTP); no vLLM.
+Imports: ``app.core``, ``app.engine``, ``app.server`` (the service layer HTTP calls too: server info, pause / resume,
+weight updates, data-parallel rank); never the HTTP routes, and no vLLM.
 """

@@ -34,6 +34,8 @@ from app.core.protocol import ApiError, GenerateRequest, bad_request, validation
 from app.engine.sampling import build_sampling_params, check_prompt
 from app.grpc.kv_events import CursorExpired, stream_batches
 from app.grpc.status import GrpcCall, fail
+from app.server.requests import data_parallel_rank
+from app.server.server_info import server_info_body
 from app.server.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
@@ -114,15 +116,6 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
         return GenerateRequest.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
-
-
-def _dp_rank(msg: pb.GenerateRequest, dp_size: int) -> int | None:
-    if not msg.HasField("data_parallel_rank"):
-        return None
-    rank = msg.data_parallel_rank
-    if not 0 <= rank < dp_size:
-        raise bad_request(f"data_parallel_rank {rank} is out of range [0, {dp_size}).", "data_parallel_rank")
-    return rank
 
 
 # --------------------------------------------------------------------------------------------------- answers
@@ -208,7 +201,8 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
             state.admit()
             check_prompt(req.token_ids, state.limits)
             params = build_sampling_params(req, state.limits)
-            dp_rank = _dp_rank(request, state.facts.data_parallel_size)
+            dp_rank = data_parallel_rank(request.data_parallel_rank if request.HasField("data_parallel_rank") else None,
+                                         state.facts.data_parallel_size, "data_parallel_rank")
         except ApiError as e:
             await fail(context, call, e)
             return
@@ -282,8 +276,6 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
-        from routers.info import server_info_body
-
         state = self.state
         info = await server_info_body(state, None)
         info.pop("routes", None)
