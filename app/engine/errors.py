@@ -33,7 +33,7 @@ class EngineRejected(ValueError):
         self.parameter = parameter
 
 
-def refused_input() -> tuple[type[BaseException], ...]:
+def refused_input() -> tuple[type[Exception], ...]:
     """What vLLM raises for input it refuses: its client errors and the raw exceptions it has not migrated yet (the
     fallbacks of vLLM's own ``create_error_response``)."""
     from vllm.exceptions import VLLMClientError
