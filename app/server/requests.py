@@ -54,7 +54,8 @@ class Disconnect:
             self.task.cancel()
 
     def left(self) -> bool:
-        """After a cancellation: whether the client left (the cancellation is then taken back)."""
+        """After a cancellation (or once the work is done): whether the client left; if so the cancellation is taken
+        back, so ask once."""
         if self.gone:
             self.task.uncancel()
         return self.gone
