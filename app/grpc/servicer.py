@@ -201,8 +201,8 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
             state.admit()
             check_prompt(req.token_ids, state.limits)
             params = build_sampling_params(req, state.limits)
-            dp_rank = data_parallel_rank(request.data_parallel_rank if request.HasField("data_parallel_rank") else None,
-                                         state.facts.data_parallel_size, "data_parallel_rank")
+            rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            dp_rank = data_parallel_rank(rank, state.facts.data_parallel_size, "data_parallel_rank")
         except ApiError as e:
             await fail(context, call, e)
             return
