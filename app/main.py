@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import __version__
 from app.core.metrics import HttpMiddleware, RequestMetrics
 from app.core.protocol import (
+    GENERATE_PATH,
     ApiError,
     GenerateRequest,
     content_length_refusal,
@@ -30,7 +31,6 @@ from app.core.settings import Settings
 from app.engine.adapter import Engine
 from app.server.security import install_security
 from app.server.state import AppState
-from routers.generate import GENERATE_PATH
 
 log = logging.getLogger("tito")
 

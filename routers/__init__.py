@@ -1,6 +1,8 @@
-"""HTTP routers, one module per concern. ``ALL`` is the order they are mounted in.
+"""HTTP routers, one module per concern. ``ALL`` is the order they are mounted in. A route parses its request and
+shapes its answer; what it does is in the service layer (``app.server``), shared with gRPC.
 
-Imports: ``app.core``, ``app.engine``, ``app.weights``, ``app.server``; routers speak HTTP and import no vLLM.
+Imports: ``app.core``, ``app.engine``, ``app.weights``, ``app.server``; routers speak HTTP and import no vLLM. Nothing
+under app/ imports them but ``app.main``, which mounts them.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 
 Pause, resume and weight updates run one at a time in arrival order (``app/server/control.py`` says what concurrent
 calls do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
+The routes parse; app/server/control_service.py does the rest, for gRPC too.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
-from app.core import metrics
 from app.core.protocol import ERROR_RESPONSES, ApiError, json_response
+from app.server import control_service as svc
 from app.server.state import AppState, get_state
 
 log = logging.getLogger("tito.control")
@@ -24,45 +25,13 @@ router = APIRouter(tags=["control"])
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float) -> None:
-    """``POST /pause`` and gRPC ``PauseGeneration``: the transition with its error answers."""
-    state.check_engine()
-    try:
-        # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
-        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
-    except ApiError:
-        raise
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
-        state.check_engine()
-        log.exception("pause failed")
-        raise ApiError(500, f"Failed to pause generation: {e}") from None
-    log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
-
-
-async def resume_generation(state: AppState, timeout: float) -> None:
-    """``POST /resume`` and gRPC ``ResumeGeneration``."""
-    state.check_engine()
-    try:
-        # Resuming mid-load would generate from half-updated weights: a running update finishes first.
-        await state.control.resume(timeout)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        state.check_engine()
-        log.exception("resume failed")
-        raise ApiError(500, f"Failed to resume generation: {e}") from None
-    log.info("generation resumed")
-
-
 @router.post("/pause", responses=ERROR_RESPONSES, summary="Pause generation (abort | wait | keep in-flight requests)")
 async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True),
                 timeout: float = Query(300.0, gt=0, description="Seconds to wait for earlier control calls and, with "
                                                                 "mode=wait, for the drain; a drain that does not end "
                                                                 "in time is cancelled (504)."),
                 state: AppState = Depends(get_state)) -> Response:
-    await pause_generation(state, mode, clear_cache, timeout)
+    await svc.pause_generation(state, mode, clear_cache, timeout)
     return json_response({"status": "paused"})
 
 
@@ -70,16 +39,13 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
 async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
                                                                  "earlier control calls (409 after that)."),
                  state: AppState = Depends(get_state)) -> Response:
-    await resume_generation(state, timeout)
+    await svc.resume_generation(state, timeout)
     return json_response({"status": "resumed"})
 
 
 @router.get("/is_paused", responses=ERROR_RESPONSES, summary="Is generation paused?")
 async def is_paused(state: AppState = Depends(get_state)) -> Response:
-    state.check_engine()
-    paused = await state.engine.is_paused()
-    metrics.PAUSED.set(1 if paused else 0)
-    return json_response({"is_paused": paused})
+    return json_response({"is_paused": await svc.is_paused(state)})
 
 
 @router.post("/reset_prefix_cache", responses=ERROR_RESPONSES,

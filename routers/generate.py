@@ -23,16 +23,17 @@ from starlette.types import Message, Receive, Scope, Send
 from app.core.multimodal import MultimodalPrompt, multimodal_prompt
 from app.core.protocol import (
     ERROR_RESPONSES,
+    GENERATE_PATH,
     ApiError,
     GenerateRequest,
     GenerateResponse,
-    bad_request,
     header_value,
     parse_json_body,
     status_phrase,
 )
 from app.engine.sampling import build_sampling_params, check_prompt
 from app.server.reqlog import set_request_id
+from app.server.requests import Disconnect, data_parallel_rank
 from app.server.state import AppState, get_state
 from routers.generate_wire import DONE, choice, plain_event_parts, prompt_logprobs_json, sse, usage
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tito.generate")
 router = APIRouter(tags=["generate"])
 
-GENERATE_PATH = "/inference/v1/generate"
 _JSON = "application/json"
 _JSON_TYPE = (b"content-type", b"application/json")
 _SSE_HEAD = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -53,23 +53,6 @@ _GENERATE_SCHEMA = {
         "content": {_JSON: {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}},
     }
 }
-
-
-def _dp_rank(request: Request, dp_size: int) -> int | None:
-    return dp_rank_of(request.headers.get("x-data-parallel-rank"), dp_size)
-
-
-def dp_rank_of(raw: str | None, dp_size: int) -> int | None:
-    """The engine core an ``X-data-parallel-rank`` header pins a request to; a bad one is a 400 (vLLM ignores it)."""
-    if raw is None:
-        return None
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise bad_request(f"X-data-parallel-rank must be an integer, got {raw!r}.", "X-data-parallel-rank") from None
-    if not 0 <= rank < dp_size:
-        raise bad_request(f"X-data-parallel-rank {rank} is out of range [0, {dp_size}).", "X-data-parallel-rank")
-    return rank
 
 
 def _uuid4_hex() -> str:
@@ -161,7 +144,7 @@ async def serve_generate(state: AppState, scope: Scope, receive: Receive, out: O
     lora = state.resolve_model(req.model)
     check_prompt(req.token_ids, state.limits)
     params = build_sampling_params(req, state.limits)
-    dp_rank = dp_rank_of(head.dp_rank, state.facts.data_parallel_size)
+    dp_rank = data_parallel_rank(head.dp_rank, state.facts.data_parallel_size)
     base_id = head.request_id or req.request_id or _uuid4_hex()
     request_id = f"generate-tokens-{base_id}"
     set_request_id(scope, request_id)  # log lines about this request carry its id
@@ -237,31 +220,16 @@ class _Served(Response):
 
 async def _collect_or_disconnect(receive: Receive, gen: AsyncIterator[RequestOutput], request_id: str,
                                  state: AppState) -> RequestOutput:
-    """Run the generation in this task while one watcher listens for the client going away; a disconnect cancels
-    this task (AsyncLLM aborts the engine request on cancellation) and answers 499.
-
-    One helper task per request rather than two (a collector and a watcher joined with ``asyncio.wait``): that
-    costs a task, a wait set and a wake-up less on every request."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
+    """Run the generation in this task while a ``Disconnect`` watcher listens for the client going away; a disconnect
+    cancels this task (AsyncLLM aborts the engine request on cancellation) and answers 499."""
+    watch = Disconnect(receive)
     final = None
     try:
         async for out in gen:
             final = out
     except asyncio.CancelledError:
-        if not gone:
+        if not watch.left():
             raise  # the server is shutting down: not ours to swallow
-        task.uncancel()
         await state.engine.abort(request_id)
         log.info("client disconnected; aborted %s", request_id)
         raise ApiError(499, "client disconnected") from None
@@ -270,7 +238,7 @@ async def _collect_or_disconnect(receive: Receive, gen: AsyncIterator[RequestOut
     except Exception as e:  # noqa: BLE001 - mapped to an error answer, never a hang or a bare 500
         raise _engine_error(state, e) from None
     finally:
-        watcher.cancel()  # no await since the loop ended: the watcher cannot cancel us after this
+        watch.stop()
     if final is None:
         raise ApiError(500, "engine returned no output")
     return final
@@ -303,19 +271,7 @@ class _Stream:
         in one write. One watcher task cancels this one when the client goes
         away; the engine request is then aborted. If the client is gone before the body starts, the engine request
         never starts (vLLM's generator is lazy) and the in-flight slot is still released."""
-        task = asyncio.current_task()
-        assert task is not None
-        done = gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not done:  # not the disconnect that the end of the answer itself reports
-                gone = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = Disconnect(receive)
         held = True  # the in-flight slot
         try:
             # StreamingResponse's headers, in its order; the id is encoded first: a failure there answers 500.
@@ -324,15 +280,14 @@ class _Stream:
             await out.start({"type": "http.response.start", "status": 200, "headers": headers})
             held = False
             tail = await self._events(out.send)
-            done = True
+            watch.ending = True  # the disconnect that the end of the answer itself reports is not the client leaving
             await out.last({"type": "http.response.body", "body": tail + DONE, "more_body": False})
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.left():
                 raise  # the server is shutting down: not ours to swallow
-            task.uncancel()  # the client left: _events has aborted its engine request
+            # the client left: _events has aborted its engine request
         finally:
-            done = True
-            watcher.cancel()
+            watch.stop()
             if held:
                 self.state.leave(self.engine_id)
 

@@ -10,10 +10,10 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from app.core.metrics import count_answer
-from app.core.protocol import ApiError, content_length_refusal, send_api_error
+from app.core.protocol import GENERATE_PATH, ApiError, content_length_refusal, send_api_error
 from app.server.security import Keys, Plane, refusal, send_unauthorized
 from app.server.state import AppState, not_started_app
-from routers.generate import GENERATE_PATH, Out, serve_generate
+from routers.generate import Out, serve_generate
 
 
 class Lean:

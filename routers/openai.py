@@ -19,8 +19,8 @@ from starlette.responses import Response, StreamingResponse
 from app.core.protocol import ERROR_RESPONSES, ApiError, header_value
 from app.engine.openai_layer import Answer, Gate
 from app.server.reqlog import set_request_id
+from app.server.requests import DP_RANK_HEADER, Disconnect, data_parallel_rank
 from app.server.state import AppState, get_state
-from routers.generate import _dp_rank
 
 log = logging.getLogger("tito.openai")
 router = APIRouter(tags=["openai"])
@@ -77,7 +77,8 @@ class _Sse(StreamingResponse):
 async def _generate(request: Request, state: AppState, kind: str) -> Response:
     body = await _body(request, state)
     state.admit()
-    _dp_rank(request, state.facts.data_parallel_size)  # vLLM ignores a bad header; tito answers 400
+    # vLLM ignores a bad header; tito answers 400
+    data_parallel_rank(request.headers.get(DP_RANK_HEADER), state.facts.data_parallel_size)
     layer = await state.openai_layer()
     run = layer.completions if kind == "completion" else layer.chat_completions
     answer = await _unless_disconnected(request, state, run(request, body, _gate(request, state)))
@@ -90,33 +91,20 @@ async def _unless_disconnected(request: Request, state: AppState, aw: Any) -> An
     """Run the call in this task while a watcher listens for the client leaving: then the task is cancelled (vLLM's
     handler, or the generator under it, aborts the engine requests) and the answer is 499. Errors of the engine are
     mapped as the token API maps them."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
+    watch = Disconnect(request.receive)
     try:
         answer: Answer = await aw
     except asyncio.CancelledError:
-        if not gone:
+        if not watch.left():
             raise
-        task.uncancel()
         raise ApiError(499, "client disconnected") from None
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - a dead engine is 503, anything else 500 without a trace
         raise state.engine_error(e, "generation") from None
     finally:
-        watcher.cancel()
-    if gone:  # vLLM's handler swallowed the cancellation ("Client disconnected")
-        task.uncancel()
+        watch.stop()
+    if watch.left():  # vLLM's handler swallowed the cancellation ("Client disconnected")
         answer.close()
         raise ApiError(499, "client disconnected")
     return answer

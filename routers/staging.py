@@ -24,10 +24,10 @@ from starlette.responses import Response
 from app.core.protocol import ERROR_RESPONSES, ApiError, json_response
 from app.engine.delta_format import SAFETENSORS_NAME, resolve_artifact
 from app.server.state import AppState, get_state
+from app.server.weight_service import commit_staged
 from app.weights.paths import resolve_allowed
 from app.weights.stage_uploads import UPLOAD_COPY_BLOCK, Upload, background, safe_component
-from app.weights.staging import UPLOADS, WORKER_RPC_TIMEOUT, StagingManager, field_int, field_str
-from routers.weights import _disk_update
+from app.weights.staging import WORKER_RPC_TIMEOUT, StagingManager
 
 log = logging.getLogger("tito.staging")
 router = APIRouter(tags=["staging"])
@@ -79,6 +79,36 @@ async def fields_only(request: Request) -> dict[str, Any]:
         return fields
 
 
+def field_str(fields: dict[str, Any], name: str, required: bool = True) -> str | None:
+    v = fields.get(name)
+    if v is None or v == "":
+        if required:
+            raise ApiError(400, f"{name} is required.", param=name)
+        return None
+    if not isinstance(v, (str, int)) or isinstance(v, bool) or len(str(v)) > 256:
+        raise ApiError(400, f"{name} must be a string of at most 256 characters.", param=name)
+    return str(v)
+
+
+def field_int(fields: dict[str, Any], name: str) -> int:
+    raw = field_str(fields, name)
+    try:
+        v = int(str(raw))
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer.", param=name) from None
+    if v < 0:
+        raise ApiError(400, f"{name} must be non-negative.", param=name)
+    return v
+
+
+def checked(mgr: StagingManager, fields: dict[str, Any]) -> tuple[str, str, str | None]:
+    """A stage call's (version, mode, base_version) from its fields, checked by Prime-RL's rules."""
+    version = field_str(fields, "version")
+    assert version is not None
+    mode = field_str(fields, "mode", required=False) or "full"
+    return mgr.check(version, mode, field_str(fields, "base_version", required=False))
+
+
 def _mgr(state: AppState) -> StagingManager:
     state.check_engine()
     return state.staging
@@ -95,25 +125,6 @@ async def _save(upload: UploadFile, dest: Path) -> int:
     return int(await background(copy))
 
 
-async def _register(mgr: StagingManager, version: str, mode: str, base: str | None, artifact: Path, transport: str,
-                    source: str, owned: Path | None, sha256: str | None = None) -> dict[str, Any]:
-    if mode == "delta":
-        assert base is not None
-        return await mgr.register_delta(version, base, artifact, transport, source, owned, sha256)
-    directory = artifact
-    if artifact.is_file():
-        # A single checkpoint file: a directory holding just it, under the name a checkpoint loader looks for.
-        directory = owned or mgr.new_dir(version)
-        target = directory / "model.safetensors"
-        if target != artifact:
-            if owned is not None:
-                await background(os.replace, artifact, target)  # our own upload: moved
-            else:
-                target.symlink_to(artifact)  # a path the caller staged: linked, never copied
-        owned = directory
-    return await mgr.register_full(version, directory, transport, source, owned, sha256)
-
-
 # ------------------------------------------------------------------------------------------ /stage
 
 
@@ -121,7 +132,7 @@ async def _register(mgr: StagingManager, version: str, mode: str, base: str | No
 async def stage(request: Request, state: AppState = Depends(get_state)) -> Response:
     mgr = _mgr(state)
     async with request_fields(request) as (fields, upload):
-        version, mode, base = mgr.check(fields)
+        version, mode, base = checked(mgr, fields)
         if upload is not None:
             name = safe_component(os.path.basename(upload.filename or SAFETENSORS_NAME))
             owned = mgr.new_dir(version)
@@ -133,7 +144,7 @@ async def stage(request: Request, state: AppState = Depends(get_state)) -> Respo
             except BaseException:
                 shutil.rmtree(owned, ignore_errors=True)
                 raise
-            out = await _register(mgr, version, mode, base, dest, "multipart", name, owned)
+            out = await mgr.register(version, mode, base, dest, "multipart", name, owned)
         elif field_str(fields, "path", required=False) is not None:
             raw = str(fields["path"])
             path = resolve_allowed(state.settings, raw, "path")
@@ -143,7 +154,7 @@ async def stage(request: Request, state: AppState = Depends(get_state)) -> Respo
                 raise ApiError(404, f"staged path does not exist: {raw}", param="path") from None
             if not artifact.exists():
                 raise ApiError(404, f"staged path does not exist: {raw}", param="path")
-            out = await _register(mgr, version, mode, base, artifact, "path", raw, None)
+            out = await mgr.register(version, mode, base, artifact, "path", raw, None)
         else:
             raise ApiError(400, "no file uploaded and no path given.", param="path")
     return json_response(out)
@@ -153,7 +164,7 @@ async def stage(request: Request, state: AppState = Depends(get_state)) -> Respo
 
 
 def _chunked(mgr: StagingManager, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    version, mode, base = mgr.check(fields)
+    version, mode, base = checked(mgr, fields)
     total = field_int(fields, "total_size")
     meta: dict[str, Any] = {"version": version, "mode": mode, "base_version": base,
                             "filename": safe_component(os.path.basename(field_str(fields, "filename") or "")),
@@ -170,17 +181,17 @@ async def _finish(mgr: StagingManager, up: Upload, size: int, sha256: str | None
 
     async def complete(path: Path, digest: str) -> dict[str, Any]:
         # Rules again: the active version may have moved since the upload began.
-        mgr.check({k: meta[k] for k in ("version", "mode", "base_version")})
+        mgr.check(meta["version"], meta["mode"], meta["base_version"])
         owned = mgr.new_dir(meta["version"])
         dest = owned / meta["filename"]
         await background(os.replace, path, dest)
-        return await _register(mgr, meta["version"], meta["mode"], meta["base_version"], dest, transport,
+        return await mgr.register(meta["version"], meta["mode"], meta["base_version"], dest, transport,
                                meta["filename"], owned, digest)
 
     try:
         return await mgr.uploads.finish(up, size, sha256, complete)
     finally:
-        UPLOADS.set(sum(u.result is None for u in mgr.uploads.active.values()))
+        mgr.count_uploads()
 
 
 @router.post("/stage_chunk", responses=ERROR_RESPONSES, summary="One chunk of a chunked stage upload (any order)")
@@ -194,7 +205,7 @@ async def stage_chunk(request: Request, state: AppState = Depends(get_state)) ->
         up = mgr.uploads.open(key, meta, key.replace(":", "-"))
         data = await background(lambda: (upload.file.seek(0), upload.file.read())[1])
         await mgr.uploads.write(up, offset, data, len(data))
-        UPLOADS.set(sum(u.result is None for u in mgr.uploads.active.values()))
+        mgr.count_uploads()
     return json_response({"status": "ok", "version": meta["version"], "mode": meta["mode"],
                           "received_bytes": up.received, "finalized": up.result is not None})
 
@@ -223,14 +234,14 @@ async def stage_stream_init(request: Request, state: AppState = Depends(get_stat
         # Already complete (a retried init): the client skips the chunks and finalizes, which answers the same.
         return json_response({"status": "ok", "upload_id": upload_id, "version": up.meta["version"],
                               "mode": up.meta["mode"], "finalized": True})
-    version, mode, base = mgr.check(fields)
+    version, mode, base = checked(mgr, fields)
     if mode != "delta":
         raise ApiError(400, "streaming uploads carry deltas only (mode=delta).", param="mode")
     meta = {"version": version, "mode": mode, "base_version": base,
             "filename": safe_component(os.path.basename(field_str(fields, "filename", required=False) or
                                                         "delta.stream"))}
     up = mgr.uploads.open("stream:" + upload_id, meta, "stream-" + safe_component(upload_id))
-    UPLOADS.set(sum(u.result is None for u in mgr.uploads.active.values()))
+    mgr.count_uploads()
     return json_response({"status": "ok", "upload_id": upload_id, "version": version, "mode": mode,
                           "finalized": False, "received_bytes": up.received})
 
@@ -242,7 +253,7 @@ def _stream(mgr: StagingManager, fields: dict[str, Any]) -> Upload:
         raise ApiError(404, f"streaming upload {upload_id} not found (call /stage_stream_init first).",
                        param="upload_id")
     if up.result is None:
-        mgr.check({k: up.meta[k] for k in ("version", "mode", "base_version")})
+        mgr.check(up.meta["version"], up.meta["mode"], up.meta["base_version"])
     return up
 
 
@@ -275,28 +286,11 @@ async def stage_stream_finalize(request: Request, state: AppState = Depends(get_
 
 @router.post("/commit", responses=ERROR_RESPONSES, summary="Apply a staged version (under the pause)")
 async def commit(request: Request, state: AppState = Depends(get_state)) -> Response:
-    mgr = _mgr(state)
+    state.check_engine()
     fields = await fields_only(request)
     version = field_str(fields, "version")
     assert version is not None
-    mode = field_str(fields, "mode", required=False)
-    entry = mgr.lookup(version, mode)
-    if entry is None:
-        return json_response({"status": "ok", "active_version": version, "mode": mode or mgr.last_mode,
-                              "noop": True, "seconds": 0.0})
-    workers: dict[str, Any] = {}
-    if entry.mode == "delta":
-        out, workers = await mgr.commit_delta(entry)
-    else:
-        entry.committing = True
-        try:
-            out = await _disk_update(state, entry.artifact, entry.version, "staged")
-        finally:
-            entry.committing = False
-        mgr.committed(entry)
-    return json_response({"status": "ok", "active_version": entry.version, "mode": entry.mode, "noop": out.noop,
-                          "seconds": round(out.seconds, 4), "reload_seconds": out.reload_seconds,
-                          "bytes": out.bytes, "workers": workers})
+    return json_response(await commit_staged(state, version, field_str(fields, "mode", required=False)))
 
 
 @router.get("/weight_layout", responses=ERROR_RESPONSES,

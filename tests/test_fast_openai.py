@@ -134,3 +134,50 @@ async def test_any_client_id_makes_a_valid_engine_id_header() -> None:
         assert r.status_code == 200 and r.headers["x-engine-request-id"].startswith("generate-tokens-%F2%8B%95%81%0A-")
         r = await c.post(CMPL, json={**OK, "request_id": "é\r\n"})
         assert r.status_code == 200 and r.headers["x-engine-request-id"].startswith("cmpl-%C3%A9%0D%0A-0-")
+
+
+async def test_a_client_that_leaves_a_completion_is_cancelled_and_frees_its_slot() -> None:
+    """The disconnect watcher (app/server/requests.py ``Disconnect``) on vLLM's routes: a client that goes away while
+    its completion runs cancels the call (the generation never finishes: its gate stays shut), its in-flight slot is
+    released, and the answer nobody reads is 499."""
+    from app.core.settings import Settings
+    from app.main import create_app
+
+    eng = FakeEngine()
+    eng.gate.clear()  # the generation waits after its first token until the test ends
+    started = asyncio.Event()
+    generate = eng.generate
+
+    def generate_and_tell(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        return generate(*args, **kwargs)
+
+    eng.generate = generate_and_tell  # type: ignore[method-assign]
+    app = create_app(Settings.build(env={}, model="/models/fake", warmup=False), engine=eng)  # type: ignore[arg-type]
+    body = json.dumps({**OK, "max_tokens": 50}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": CMPL, "raw_path": CMPL.encode(), "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent: list[dict[str, Any]] = []
+    unread = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if unread:
+            return unread.pop()
+        await started.wait()  # the client leaves once its completion is running
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    async with app.router.lifespan_context(app):
+        call = asyncio.ensure_future(app(scope, receive, send))
+        # Not wait_for: its cancellation at the timeout would itself end the call as the client's leaving does.
+        done, _ = await asyncio.wait({call}, timeout=10)
+        call.cancel()  # a no-op once done; else the failing test leaves no task behind
+        assert call in done, "the call kept running after its client left"
+        state = app.state.tito
+        assert started.is_set() and state.inflight == 0 and not state.live
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, sent
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]["message"] == "client disconnected"

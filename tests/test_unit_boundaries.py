@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -13,21 +15,50 @@ from tests.helpers import ROOT
 ALLOWED = ("app/engine/*.py",)
 
 
-def vllm_imports(path: Path) -> list[str]:
-    """Every ``import vllm...`` / ``from vllm... import`` in the file, at any level (functions, TYPE_CHECKING)."""
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+@dataclass(frozen=True)
+class Import:
+    """One import statement (or a string import) of a module: ``kind`` is ``import`` (``import m``), ``from``
+    (``from m import names``) or ``dynamic`` (``importlib.import_module("m")`` / ``__import__("m")`` with a literal
+    string, which a plain walk of the import statements would miss)."""
+
+    line: int
+    kind: str
+    module: str
+    names: tuple[str, ...] = ()
+
+
+@functools.cache  # the tree is read by several tests, and again with one line changed
+def imports_in(source: str, package: str = "", filename: str = "<source>") -> tuple[Import, ...]:
+    """Every import in ``source`` at any level (functions, TYPE_CHECKING), in line order; relative imports are
+    resolved against ``package`` (the importing module's package; without one they never name a package)."""
+    found: list[Import] = []
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, f"{path.name}:{node.lineno} import {a.name}") for a in node.names
-                      if a.name == "vllm" or a.name.startswith("vllm.")]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                (node.module == "vllm" or node.module.startswith("vllm.")):
-            found.append((node.lineno, f"{path.name}:{node.lineno} from {node.module}"))
+            found += [Import(node.lineno, "import", a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level and package:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{target}".strip(".")
+            elif node.level:
+                target = "." * node.level + target  # no package to resolve against: never a package name
+            found.append(Import(node.lineno, "from", target, tuple(a.name for a in node.names)))
         elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in \
                 ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) and \
-                str(node.args[0].value).split(".")[0] == "vllm":
-            found.append((node.lineno, f"{path.name}:{node.lineno} dynamic import of {node.args[0].value}"))
-    return [text for _, text in sorted(found)]
+                isinstance(node.args[0].value, str):
+            found.append(Import(node.lineno, "dynamic", node.args[0].value))
+    return tuple(sorted(found, key=lambda i: i.line))
+
+
+def _is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def vllm_imports(path: Path) -> list[str]:
+    """Every ``import vllm...`` / ``from vllm... import`` / string import of vLLM in the file, at any level."""
+    words = {"import": "import", "from": "from", "dynamic": "dynamic import of"}
+    return [f"{path.name}:{i.line} {words[i.kind]} {i.module}" for i in imports_in(path.read_text(), "", str(path))
+            if _is_under(i.module, "vllm")]
 
 
 def test_only_the_adapter_imports_vllm():
@@ -64,22 +95,37 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(files)}
 
 
-def import_graph() -> dict[str, set[str]]:
+def tree_sources() -> dict[str, tuple[str, str]]:
+    """module -> (its package, its source) for every module of app/ and routers/."""
+    return {name: (".".join(path.relative_to(ROOT).parent.parts), path.read_text())
+            for name, path in _modules().items()}
+
+
+def tree_imports(sources: dict[str, tuple[str, str]]) -> dict[str, tuple[Import, ...]]:
+    return {name: imports_in(src, package, name) for name, (package, src) in sources.items()}
+
+
+def import_graph(sources: dict[str, tuple[str, str]] | None = None) -> dict[str, set[str]]:
     """module -> the modules of app/ and routers/ it imports, at any level (functions and TYPE_CHECKING too: those
-    are arrows of the design as much as the ones at the top). ``from pkg import name`` names the submodule when
-    ``name`` is one, else the package."""
-    mods = _modules()
+    are arrows of the design as much as the ones at the top), string imports included. ``from pkg import name``
+    names the submodule when ``name`` is one, else the package; a string import names its longest known prefix."""
+    sources = tree_sources() if sources is None else sources
+    mods = sources.keys()
     graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
+    for name, imports in tree_imports(sources).items():
         out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                out |= {a.name for a in node.names if a.name in mods}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
-                out |= subs or {node.module}
-                if len(subs) < len(node.names):
-                    out.add(node.module)
+        for imp in imports:
+            if imp.kind == "from":
+                if imp.module not in mods:
+                    continue
+                subs = {f"{imp.module}.{n}" for n in imp.names} & mods
+                out |= subs or {imp.module}
+                if len(subs) < len(imp.names):
+                    out.add(imp.module)
+            else:
+                parts = imp.module.split(".")
+                known = [".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in mods]
+                out |= set(known[:1]) if imp.kind == "dynamic" else ({imp.module} & mods)
         out.discard(name)
         graph[name] = out
     return graph
@@ -105,11 +151,9 @@ def package_rules() -> dict[str, set[str]]:
     return rules
 
 
-def test_every_package_keeps_its_import_rules():
-    rules = package_rules()
-    assert {"app.core", "app.engine", "app.weights", "app.server", "app.client", "routers"} <= rules.keys()
+def package_violations(graph: dict[str, set[str]], rules: dict[str, set[str]]) -> list[str]:
     broken = []
-    for mod, targets in sorted(import_graph().items()):
+    for mod, targets in sorted(graph.items()):
         pkg = _package_of(mod)
         if pkg not in rules:
             continue  # app.main, app.cli, app.__main__: they put the packages together and may import any
@@ -117,7 +161,93 @@ def test_every_package_keeps_its_import_rules():
             tpkg = _package_of(t)
             if tpkg != pkg and tpkg != "app" and tpkg not in rules[pkg]:  # "app": the root, __version__ only
                 broken.append(f"{mod} imports {t} ({pkg} may import: {', '.join(sorted(rules[pkg])) or 'nothing'})")
-    assert broken == [], "\n".join(broken)
+    return broken
+
+
+def test_every_package_keeps_its_import_rules():
+    rules = package_rules()
+    assert {"app.core", "app.engine", "app.weights", "app.server", "app.client", "routers"} <= rules.keys()
+    assert package_violations(import_graph(), rules) == []
+
+
+# The composition root: ``create_app`` mounts the HTTP routers; no package imports it (app/__init__.py).
+COMPOSITION_ROOT = "app.main"
+
+
+def routers_in_app(imports: dict[str, tuple[Import, ...]]) -> list[str]:
+    """Imports of ``routers`` (HTTP) by a module under app/: a transport (gRPC) or a layer below reaching into HTTP.
+    The service layer (app/server) is where both transports meet."""
+    return [f"{mod}:{i.line} {i.kind} {i.module}" for mod, imps in sorted(imports.items())
+            if _is_under(mod, "app") and mod != COMPOSITION_ROOT for i in imps if _is_under(i.module, "routers")]
+
+
+# Private imports the sampling validator's rewrite removes (it owns those two modules); each entry must still exist.
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(imports: dict[str, tuple[Import, ...]]) -> set[tuple[str, str, int]]:
+    """(module, what it imports, line) for every private name (``_x``, not ``__x__``) a module of tito imports from
+    another one: ``from m import _x``, or a private module in a dotted path (``import m._x``, string imports too)."""
+    found = set()
+    for mod, imps in imports.items():
+        for i in imps:
+            if not (_is_under(i.module, "app") or _is_under(i.module, "routers")):
+                continue
+            if any(_private(part) for part in i.module.split(".")):
+                found.add((mod, i.module, i.line))
+            found |= {(mod, f"{i.module}.{n}", i.line) for n in i.names if _private(n)}
+    return found
+
+
+def test_no_module_under_app_imports_the_http_routers():
+    assert routers_in_app(tree_imports(tree_sources())) == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = private_imports(tree_imports(tree_sources()))
+    assert sorted(f"{m}:{line} imports {n}" for m, n, line in found) == []
+
+
+def test_a_line_that_breaks_a_rule_fails_the_checks():
+    """The checks run on the real tree with one line added, and each names the line: gRPC reaching into an HTTP
+    router's private helper (the imports this layout removed), and the string import by which the staging uploads
+    reached back into the staging module (a cycle, and an edge no import statement shows)."""
+    sources = tree_sources()
+    assert routers_in_app(tree_imports(sources)) == [] and package_violations(import_graph(sources), package_rules()) \
+        == [] and find_cycle(import_graph(sources)) == []
+
+    grpc_pkg, grpc_src = sources["app.grpc.vllm_control"]
+    broken = {**sources, "app.grpc.vllm_control": (grpc_pkg, grpc_src + "from routers.weights import _engine_call\n")}
+    line = len(grpc_src.splitlines()) + 1
+    imports = tree_imports(broken)
+    assert routers_in_app(imports) == [f"app.grpc.vllm_control:{line} from routers.weights"]
+    assert ("app.grpc.vllm_control", "routers.weights._engine_call", line) in private_imports(imports)
+    assert package_violations(import_graph(broken), package_rules()) == [
+        "app.grpc.vllm_control imports routers.weights (app.grpc may import: app.core, app.engine, app.server)"]
+
+    pkg, src = sources["app.weights.stage_uploads"]
+    for added in ('import importlib\nimportlib.import_module("app.weights.staging")\n',
+                  '__import__("app.weights.staging")\n'):
+        graph = import_graph({**sources, "app.weights.stage_uploads": (pkg, src + added)})
+        assert "app.weights.staging" in graph["app.weights.stage_uploads"]
+        cycle = find_cycle(graph)
+        assert cycle[0] == cycle[-1] and {"app.weights.staging", "app.weights.stage_uploads"} <= set(cycle), cycle
+    graph = import_graph({**sources, "app.weights.stage_uploads": (pkg, src + 'import importlib\n'
+                                                                   'importlib.import_module("routers.staging")\n')})
+    assert package_violations(graph, package_rules()) == [
+        "app.weights.stage_uploads imports routers.staging (app.weights may import: app.core, app.engine)"]
+
+
+def test_the_import_reader_sees_every_form():
+    src = ("import app.core.x\nfrom app.engine import y as z, _w\nif T:\n    from . import sib\n"
+           "def f():\n    importlib.import_module('app.server.s')\n    __import__('routers')\n"
+           "    import_module(name)\n")
+    assert imports_in(src, "app.weights") == (
+        Import(1, "import", "app.core.x"), Import(2, "from", "app.engine", ("y", "_w")),
+        Import(4, "from", "app.weights", ("sib",)), Import(6, "dynamic", "app.server.s"),
+        Import(7, "dynamic", "routers"))
+    assert private_imports({"m": imports_in(src, "app.weights")}) == {("m", "app.engine._w", 2)}
 
 
 def test_app_top_level_holds_only_the_entry_points():

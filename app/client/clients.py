@@ -15,7 +15,7 @@ are not (generation, weight updates, the NCCL handshake, vLLM's ``/v1/load_lora_
 connection was never made, so the server cannot have seen them. Every failure is raised as ``TitoError``, carrying
 the server's error envelope.
 
-Both clients have the same methods (``app.client.wire._Routes`` builds every request and parses every answer); the
+Both clients have the same methods (``app.client.wire.Routes`` builds every request and parses every answer); the
 two classes here only send: ``AsyncTitoClient``'s methods are awaited.
 """
 
@@ -30,19 +30,19 @@ import httpx
 
 from app.client.wire import (
     ADMIN_TIMEOUT,
+    Call,
     Choice,
     GenerateOptions,
     GenerateResult,
+    Routes,
     StreamDelta,
     TitoError,
     Usage,
-    _Call,
-    _deltas,
-    _error_from_response,
-    _Routes,
-    _sse_event,
-    _transport_error,
+    error_from_response,
     image_parts,
+    sse_event,
+    stream_deltas,
+    transport_error,
 )
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ __all__ = [
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-class AsyncTitoClient(_Routes):
+class AsyncTitoClient(Routes):
     """asyncio client. Use as ``async with AsyncTitoClient(url) as c: ...`` or call ``aclose()``; every route method
     (``pause``, ``load_lora``, ``health``, ...) is awaited."""
 
@@ -85,7 +85,7 @@ class AsyncTitoClient(_Routes):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _send(self, call: _Call) -> Any:
+    async def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             try:
@@ -115,14 +115,14 @@ class AsyncTitoClient(_Routes):
             async with self._http.stream(args.pop("method"), args.pop("url"), **args) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    raise _error_from_response(resp, call.method, call.path)
+                    raise error_from_response(resp, call.method, call.path)
                 async for line in resp.aiter_lines():
-                    event = _sse_event(line, call.method, call.path)
+                    event = sse_event(line, call.method, call.path)
                     if event is not None:
-                        for d in _deltas(event):
+                        for d in stream_deltas(event):
                             yield d
         except httpx.HTTPError as e:
-            raise _transport_error(e, call) from e
+            raise transport_error(e, call) from e
 
     async def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5) -> Any:
         """Poll ``/health`` until it answers 200; ``TitoError`` after ``timeout`` seconds."""
@@ -136,7 +136,7 @@ class AsyncTitoClient(_Routes):
             await asyncio.sleep(interval)
 
 
-class TitoClient(_Routes):
+class TitoClient(Routes):
     """Blocking client with the same methods as ``AsyncTitoClient``; ``generate_stream`` is a plain iterator."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, api_key: str | None = None, admin_api_key: str | None = None,
@@ -155,7 +155,7 @@ class TitoClient(_Routes):
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: _Call) -> Any:
+    def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             try:
@@ -183,13 +183,13 @@ class TitoClient(_Routes):
             with self._http.stream(args.pop("method"), args.pop("url"), **args) as resp:
                 if resp.status_code >= 400:
                     resp.read()
-                    raise _error_from_response(resp, call.method, call.path)
+                    raise error_from_response(resp, call.method, call.path)
                 for line in resp.iter_lines():
-                    event = _sse_event(line, call.method, call.path)
+                    event = sse_event(line, call.method, call.path)
                     if event is not None:
-                        yield from _deltas(event)
+                        yield from stream_deltas(event)
         except httpx.HTTPError as e:
-            raise _transport_error(e, call) from e
+            raise transport_error(e, call) from e
 
     def wait_healthy(self, timeout: float = 600.0, interval: float = 0.5) -> Any:
         """Poll ``/health`` until it answers 200; ``TitoError`` after ``timeout`` seconds."""

@@ -1,6 +1,6 @@
 """What the tito client sends and how it reads the answers, shared by both transports in ``app.client.clients``.
 
-One request builder (``_Routes``: a ``_Call`` per route, with its plane, timeout and whether it is safe to repeat),
+One request builder (``Routes``: a ``Call`` per route, with its plane, timeout and whether it is safe to repeat),
 one response parser (``TitoError``, ``GenerateResult``, ``StreamDelta``, the SSE parser) and one retry policy. The
 transports (``TitoClient`` on ``httpx.Client``, ``AsyncTitoClient`` on ``httpx.AsyncClient``) only send.
 httpx and the standard library only (never vLLM or torch).
@@ -64,7 +64,7 @@ class TitoError(Exception):
         return None if p is None else str(p)
 
 
-def _error_from_response(resp: httpx.Response, method: str, path: str) -> TitoError:
+def error_from_response(resp: httpx.Response, method: str, path: str) -> TitoError:
     body: Any
     try:
         body = resp.json()
@@ -172,7 +172,7 @@ class StreamDelta:
     raw: dict[str, Any] = field(repr=False)
 
 
-def _deltas(event: dict[str, Any]) -> list[StreamDelta]:
+def stream_deltas(event: dict[str, Any]) -> list[StreamDelta]:
     rid = event.get("request_id", "")
     usage = Usage.parse(event.get("usage"))
     choices = event.get("choices") or []
@@ -192,7 +192,7 @@ def sse_payload(line: str) -> Any:
     return json.loads(payload)
 
 
-def _sse_event(line: str, method: str, path: str) -> dict[str, Any] | None:
+def sse_event(line: str, method: str, path: str) -> dict[str, Any] | None:
     """Parse one SSE line (``sse_payload``); raise on an error event."""
     event = sse_payload(line)
     if event is None:
@@ -210,7 +210,7 @@ _DATA, _ADMIN, _OPEN = "data", "admin", "open"
 
 
 @dataclass
-class _Call:
+class Call:
     """Everything about one HTTP call except how it is sent (shared by the async and the blocking client)."""
 
     method: str
@@ -237,7 +237,7 @@ def _bool(v: bool) -> str:
     return "true" if v else "false"
 
 
-def _transport_error(exc: Exception, call: _Call) -> TitoError:
+def transport_error(exc: Exception, call: Call) -> TitoError:
     kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
     return TitoError(0, f"request {kind}: {type(exc).__name__}: {exc}", method=call.method, path=call.path)
 
@@ -286,8 +286,8 @@ _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "l
 _BODY_KEYS = ("request_id", "model", "cache_salt", "priority", "return_token_ids")
 
 
-class _Routes:
-    """The request builder: one ``_Call`` per route, sent by the transport's ``_send`` (which returns the parsed
+class Routes:
+    """The request builder: one ``Call`` per route, sent by the transport's ``_send`` (which returns the parsed
     answer: a value for ``TitoClient``, an awaitable of it for ``AsyncTitoClient``)."""
 
     def __init__(self, base_url: str, api_key: str | None, admin_api_key: str | None, timeout: float,
@@ -301,7 +301,7 @@ class _Routes:
         self.retries = retries
         self.backoff = backoff
 
-    def _send(self, call: _Call) -> Any:
+    def _send(self, call: Call) -> Any:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ building
@@ -310,7 +310,7 @@ class _Routes:
         key = self.api_key if plane == _DATA else (self.admin_api_key or self.api_key) if plane == _ADMIN else None
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _request_args(self, call: _Call) -> dict[str, Any]:
+    def _request_args(self, call: Call) -> dict[str, Any]:
         """What the transport passes to ``httpx`` ``request``/``stream``."""
         headers = self._auth(call.plane)
         if call.headers:
@@ -320,7 +320,7 @@ class _Routes:
                 "headers": headers, "timeout": httpx.Timeout(read, connect=min(10.0, read))}
 
     def _generate_call(self, token_ids: list[int], sampling_params: dict[str, Any] | None, *, stream: bool,
-                       include_usage: bool = False, **kw: Unpack[GenerateOptions]) -> _Call:
+                       include_usage: bool = False, **kw: Unpack[GenerateOptions]) -> Call:
         opts: dict[str, Any] = dict(kw)
         unknown = set(opts) - set(GenerateOptions.__annotations__)
         if unknown:
@@ -338,14 +338,14 @@ class _Routes:
         body.update(opts.get("extra") or {})
         rank = opts.get("data_parallel_rank")
         timeout = opts.get("timeout")
-        return _Call("POST", "/inference/v1/generate", _DATA, json=body,
+        return Call("POST", "/inference/v1/generate", _DATA, json=body,
                      headers={"X-data-parallel-rank": str(rank)} if rank is not None else None,
                      timeout=GENERATE_TIMEOUT if timeout is None else timeout,
                      parse=lambda r: GenerateResult.parse(r.json()))
 
     # ------------------------------------------------------------------ retry policy
 
-    def _retry_delay(self, call: _Call, attempt: int, failure: Exception | httpx.Response) -> float:
+    def _retry_delay(self, call: Call, attempt: int, failure: Exception | httpx.Response) -> float:
         """Seconds to wait before trying ``call`` again, or raise its ``TitoError`` when it must not be retried:
         calls that are safe to repeat on connection errors and 502/504, any call when the connection was never
         made (the server cannot have seen it)."""
@@ -356,8 +356,8 @@ class _Routes:
                 (call.idempotent and isinstance(failure, httpx.TransportError))
         if not retry or attempt >= self.retries:
             if isinstance(failure, httpx.Response):
-                raise _error_from_response(failure, call.method, call.path)
-            raise _transport_error(failure, call) from failure
+                raise error_from_response(failure, call.method, call.path)
+            raise transport_error(failure, call) from failure
         return min(self.backoff * (2 ** attempt), 5.0) * (0.5 + random.random() / 2)
 
     # ------------------------------------------------------------------ admin and probe routes (answers: the JSON)
@@ -369,19 +369,19 @@ class _Routes:
             body: dict[str, Any] = {}  # every request in flight
         else:
             body = {"request_ids": [request_ids] if isinstance(request_ids, str) else list(request_ids)}
-        return self._send(_Call("POST", "/abort_requests", json=body, idempotent=True, timeout=PROBE_TIMEOUT * 3))
+        return self._send(Call("POST", "/abort_requests", json=body, idempotent=True, timeout=PROBE_TIMEOUT * 3))
 
     def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> Any:
         """``POST /pause``: ``keep`` parks in-flight requests, ``wait`` lets them finish, ``abort`` ends them."""
-        return self._send(_Call("POST", "/pause", params={"mode": mode, "clear_cache": _bool(clear_cache)},
+        return self._send(Call("POST", "/pause", params={"mode": mode, "clear_cache": _bool(clear_cache)},
                                 idempotent=True, timeout=timeout or ADMIN_TIMEOUT))
 
     def resume(self) -> Any:
-        return self._send(_Call("POST", "/resume", idempotent=True))
+        return self._send(Call("POST", "/resume", idempotent=True))
 
     def is_paused(self) -> Any:
         """``GET /is_paused``: a bool."""
-        return self._send(_Call("GET", "/is_paused", idempotent=True, timeout=PROBE_TIMEOUT,
+        return self._send(Call("GET", "/is_paused", idempotent=True, timeout=PROBE_TIMEOUT,
                                 parse=lambda r: bool(r.json()["is_paused"])))
 
     def update_weights(self, weight_dir: str | None, weight_version: str | None = None,
@@ -391,7 +391,7 @@ class _Routes:
         if weight_version is not None:
             body["weight_version"] = weight_version
         # Not idempotent: a repeated NCCL update would wait for a broadcast that never comes.
-        return self._send(_Call("POST", "/update_weights", json=body, timeout=timeout or UPDATE_WEIGHTS_TIMEOUT))
+        return self._send(Call("POST", "/update_weights", json=body, timeout=timeout or UPDATE_WEIGHTS_TIMEOUT))
 
     def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
                          timeout: float = 1200.0, extra: dict[str, Any] | None = None) -> Any:
@@ -399,31 +399,31 @@ class _Routes:
         body = {"host": host, "port": port, "rank_offset": rank_offset, "inference_world_size": inference_world_size,
                 "timeout": timeout, **(extra or {})}
         # The server blocks until the group forms (up to ``timeout``); give the answer some slack beyond that.
-        return self._send(_Call("POST", "/init_broadcaster", json=body, timeout=float(timeout) + 30.0))
+        return self._send(Call("POST", "/init_broadcaster", json=body, timeout=float(timeout) + 30.0))
 
     def load_lora(self, name: str, path: str, *, v1: bool = False) -> Any:
         """Load (or reload in place, same name) a PEFT adapter; ``v1=True`` uses vLLM's ``/v1/`` route."""
         # Prime-RL's route reloads the same name in place, so a repeat is harmless; vLLM's answers a repeat with 400.
-        return self._send(_Call("POST", "/v1/load_lora_adapter" if v1 else "/load_lora_adapter",
+        return self._send(Call("POST", "/v1/load_lora_adapter" if v1 else "/load_lora_adapter",
                                 json={"lora_name": name, "lora_path": str(path)}, idempotent=not v1, timeout=120.0))
 
     def unload_lora(self, name: str) -> Any:
-        return self._send(_Call("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60.0))
+        return self._send(Call("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60.0))
 
     def drain(self, timeout: float | None = None) -> Any:
         """``POST /drain``: refuse new generations and wait up to ``timeout`` s for in-flight ones to finish."""
         body = {} if timeout is None else {"timeout": timeout}
-        return self._send(_Call("POST", "/drain", json=body, idempotent=True,
+        return self._send(Call("POST", "/drain", json=body, idempotent=True,
                                 timeout=(ADMIN_TIMEOUT if timeout is None else float(timeout)) + 30.0))
 
     def drain_status(self) -> Any:
-        return self._send(_Call("GET", "/drain", idempotent=True, timeout=PROBE_TIMEOUT))
+        return self._send(Call("GET", "/drain", idempotent=True, timeout=PROBE_TIMEOUT))
 
     def undrain(self) -> Any:
-        return self._send(_Call("DELETE", "/drain", idempotent=True, timeout=PROBE_TIMEOUT * 3))
+        return self._send(Call("DELETE", "/drain", idempotent=True, timeout=PROBE_TIMEOUT * 3))
 
     def _probe(self, path: str, plane: str = _OPEN) -> Any:
-        return self._send(_Call("GET", path, plane, idempotent=True, timeout=PROBE_TIMEOUT))
+        return self._send(Call("GET", path, plane, idempotent=True, timeout=PROBE_TIMEOUT))
 
     def health(self) -> Any:
         return self._probe("/health")
@@ -445,7 +445,7 @@ class _Routes:
 
     def metrics(self) -> Any:
         """``GET /metrics``: the Prometheus text."""
-        return self._send(_Call("GET", "/metrics", _OPEN, idempotent=True, timeout=PROBE_TIMEOUT,
+        return self._send(Call("GET", "/metrics", _OPEN, idempotent=True, timeout=PROBE_TIMEOUT,
                                 parse=lambda r: r.text))
 
     def _not_healthy(self, e: TitoError, timeout: float) -> TitoError:

@@ -1,6 +1,7 @@
 """tito's own Prometheus families (the engine's ``vllm:*`` families live on the same default registry).
 
-Defined once here so every router records into the same objects.
+Defined once here, every family of tito's, so every module records into the same objects and the whole set is
+read in one place.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ WEIGHT_VERSION = Info("tito_weight_version", "Current weight version label")
 LORA_LOADS = Counter("tito_lora_loads_total", "LoRA adapter loads by kind and outcome", ["kind", "outcome"])
 LORA_LOAD_SECONDS = Histogram("tito_lora_load_seconds", "Seconds per successful LoRA adapter load",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+# Staged weight versions (app/weights/staging.py).
+STAGED = Gauge("tito_staged_versions", "Weight versions staged and not yet committed")
+STAGED_VERSION = Gauge("tito_staged_version", "1 for each staged version (at most --max-staged-versions)",
+                       ["version", "mode"])
+STAGE_UPLOADS = Gauge("tito_stage_uploads_in_progress", "Chunked and streaming stage uploads not yet finalized")
+STAGES = Counter("tito_stages_total", "Stage calls that completed a staged version, by transport, mode and outcome",
+                 ["transport", "mode", "outcome"])
+STAGE_BYTES = Counter("tito_stage_bytes_total", "Bytes of staged artifacts, by transport", ["transport"])
+STAGE_SECONDS = Histogram("tito_stage_check_seconds", "Seconds to read, check and prepare a staged version",
+                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+DELTA_ELEMENTS = Counter("tito_delta_elements_total", "Weight elements changed by committed deltas")
+# The gRPC services (app/grpc/status.py).
+GRPC_REQUESTS = Counter("tito_grpc_requests_total", "gRPC calls by method and status code", ["method", "code"])
 
 
 # --------------------------------------------------------------------------------------------------- request counting

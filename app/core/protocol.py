@@ -16,6 +16,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
+GENERATE_PATH = "/inference/v1/generate"  # the token API's route
+
 # --------------------------------------------------------------------------------------------------- errors
 
 _ERROR_TYPES = {

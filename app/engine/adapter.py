@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from app.core.settings import Settings
+from app.engine.errors import EngineDead, EngineRejected, translate
 from app.engine.multimodal import MultimodalInputs, ships_processor
 from app.engine.multimodal import engine_kwargs as mm_engine_kwargs
 
@@ -27,22 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["CompletionOutput", "Engine", "EngineDead", "EngineRejected", "ModelFacts", "RequestOutput"]
 
 log = logging.getLogger("tito.engine")
-
-# Prefix vLLM puts on a failed engine utility call (add_lora etc.); the rest of the message is the engine's reason.
-_UTILITY_FAILED = re.compile(r"^Call to \w+ method failed: ")
-
-
-class EngineDead(RuntimeError):
-    """The engine (an EngineCore process) is gone: every call fails until the server restarts."""
-
-
-class EngineRejected(ValueError):
-    """The engine refused what it was given (a sampling parameter, an adapter it cannot load); it keeps serving."""
-
-    def __init__(self, message: str, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
-
 
 def vllm_version() -> str:
     import vllm
@@ -460,7 +444,7 @@ class Engine:
 
     def vllm_server_info(self, config_format: str) -> dict[str, Any]:
         """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""
-        from app.engine.openai_layer import vllm_server_info
+        from app.engine.vllm_config import vllm_server_info
 
         return vllm_server_info(self.llm, config_format)
 
@@ -471,19 +455,9 @@ class Engine:
         await asyncio.wait_for(self.collective_rpc("liveness_probe", timeout=timeout), timeout)
 
     def translate_error(self, e: BaseException, *, refused: bool = False) -> BaseException:
-        """vLLM's exceptions as tito's own: ``EngineDead``, ``EngineRejected`` (the caller's input); others as they
-        are. ``refused``: any failure of a live engine is its refusal of the input (a utility call such as add_lora).
-        """
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        if isinstance(e, (EngineDead, EngineRejected, TimeoutError, asyncio.CancelledError)):
-            return e
-        if isinstance(e, EngineDeadError) or self.errored:
-            return EngineDead(str(e))
-        if refused or isinstance(e, (ValueError, TypeError, OverflowError, VLLMClientError)):
-            return EngineRejected(_UTILITY_FAILED.sub("", str(e)), getattr(e, "parameter", None))
-        return e
+        """vLLM's exceptions as tito's own (app/engine/errors.py ``translate``): ``EngineDead``, ``EngineRejected``
+        (the caller's input); others as they are."""
+        return translate(e, errored=self.errored, refused=refused)
 
     @property
     def errored(self) -> bool:

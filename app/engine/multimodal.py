@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.multimodal import Features, MediaPart, MultimodalPrompt, check_unexpanded, normalize_features
 from app.core.protocol import ApiError, bad_request
+from app.engine.errors import refused_input
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -65,10 +66,12 @@ class MultimodalInputs:
 
     async def from_parts(self, token_ids: list[int], parts: list[MediaPart], cache_salt: str | None,
                          max_pixels: int) -> MultimodalPrompt:
-        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
         from vllm.renderers.chat_utils import AsyncMultiModalItemTracker
 
+        # Bad media or a prompt the processor cannot place the media in: the client's input, not a fault (what vLLM
+        # refuses as input, and what its media loaders raise on bytes they cannot read).
+        bad_input: tuple[type[Exception], ...] = (*refused_input(), OSError, KeyError, IndexError)
         for i, p in enumerate(parts):
             if self.media_tokens and p.modality not in self.media_tokens:
                 raise bad_request(f"this model takes no {p.modality} input.", f"content_parts.{i}.type")
@@ -90,8 +93,7 @@ class MultimodalInputs:
             (engine_input,) = await self.llm.renderer.render_cmpl_async([prompt])
         except ApiError:
             raise
-        except (ValueError, TypeError, OSError, KeyError, IndexError, VLLMValidationError) as e:
-            # Bad media or a prompt the processor cannot place the media in: the client's input, not a fault.
+        except bad_input as e:
             raise bad_request(f"content_parts could not be processed: {e}", "content_parts") from None
         return MultimodalPrompt(engine_input, len(engine_input["prompt_token_ids"]), placeholders_of(engine_input))
 

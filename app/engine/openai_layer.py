@@ -30,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.core.multimodal import MediaPolicy, check_url
 from app.core.protocol import ApiError, bad_request, validation_error
+from app.engine.errors import vllm_error_response
 from app.engine.sampling import Limits, check_engine_params, check_ids
 
 if TYPE_CHECKING:
@@ -219,8 +220,11 @@ class OpenAILayer:
                 raise ApiError(400, "request body is not valid JSON.", type="Bad Request", param="body") from None
             raise validation_error(e) from None
         except Exception as e:  # noqa: BLE001 - vLLM's model validators raise its own errors, which pydantic passes on
-            err = _as_api_error(e)  # anything else: a validator tripping over a malformed body (test_fuzz.py), a 400
-            raise (err if isinstance(err, ApiError) else bad_request(f"invalid body: {e!r}", "body")) from None
+            answer = vllm_error_response(e)  # else: a validator tripping over a malformed body (test_fuzz.py), a 400
+            if answer is None:
+                raise bad_request(f"invalid body: {e!r}", "body") from None
+            err = answer.error
+            raise ApiError(err.code, err.message, type=err.type, param=err.param) from None
 
     def _need_tokenizer(self, what: str, param: str | None = None) -> None:
         if not self.tokenizer:
@@ -314,16 +318,11 @@ class OpenAILayer:
             return await aw
         except ApiError:
             raise
-        except Exception as e:  # noqa: BLE001 - mapped below or re-raised
-            from vllm.entrypoints.serve import create_error_response
-            from vllm.exceptions import VLLMError
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(e, EngineDeadError):
+        except Exception as e:  # noqa: BLE001 - vLLM's answer, or re-raised (a dead engine: 503; else 500)
+            answer = vllm_error_response(e)
+            if answer is None:
                 raise
-            if isinstance(e, (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError)):
-                return create_error_response(e)
-            raise
+            return answer
 
     def _answer(self, result: Any) -> Answer:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -384,44 +383,6 @@ class OpenAILayer:
                 yield ev.encode()
         finally:
             call.release()
-
-
-_CONFIG_ADAPTER: TypeAdapter[Any] | None = None
-
-
-def _as_api_error(e: Exception) -> Exception:
-    """A vLLM error (or a ValueError/TypeError) as vLLM's server would answer it; anything else as it is."""
-    from vllm.entrypoints.serve import create_error_response
-    from vllm.exceptions import VLLMError
-
-    if not isinstance(e, (VLLMError, ValueError, TypeError, OverflowError)):
-        return e
-    err = create_error_response(e).error
-    return ApiError(err.code, err.message, type=err.type, param=err.param)
-
-
-def vllm_server_info(llm: AsyncLLM, config_format: str) -> dict[str, Any]:
-    """vLLM's own ``/server_info`` keys: ``vllm_config`` (text, or with ``config_format=json`` the JSON tree vLLM
-    dumps, which TRL reads) and ``vllm_env``. vLLM's ``system_env`` (a slow environment survey) is left out."""
-    import vllm.envs as envs
-    from vllm.config import VllmConfig
-    from vllm.config.utils import normalize_value
-
-    global _CONFIG_ADAPTER
-    cfg = llm.vllm_config
-    if config_format == "json":
-        if _CONFIG_ADAPTER is None:  # building it walks vLLM's whole config schema: once
-            _CONFIG_ADAPTER = TypeAdapter(VllmConfig)
-        config: Any = _CONFIG_ADAPTER.dump_python(cfg, mode="json", fallback=str)
-    else:
-        config = str(cfg)
-    env = {}
-    for key in dir(envs):
-        if key.startswith("VLLM_") and "KEY" not in key:
-            value = getattr(envs, key, None)
-            if value is not None:
-                env[key] = normalize_value(value)
-    return {"vllm_config": config, "vllm_env": env}
 
 
 def request_schemas() -> dict[str, Any]:

@@ -5,6 +5,6 @@ with the text it decodes beside the engine in ``detokenize``; their generated mo
 path that both generate services take (``token_request``), HTTP statuses as gRPC codes (``status``) and the KV-event
 relay (``kv_events``).
 
-Imports: ``app.core``, ``app.engine``, ``app.server``, and ``routers.info`` / ``routers.control`` / ``routers.weights``
-(the same server info, pause / resume and weight-transfer checks as HTTP); no vLLM.
+Imports: ``app.core``, ``app.engine``, ``app.server`` (the service layer HTTP calls too: server info, pause / resume,
+weight updates, data-parallel rank); never the HTTP routes, and no vLLM.
 """

@@ -34,6 +34,8 @@ from app.core.protocol import ApiError, GenerateRequest, bad_request
 from app.grpc.kv_events import CursorExpired, stream_batches
 from app.grpc.status import GrpcCall, fail
 from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
+from app.server.requests import data_parallel_rank
+from app.server.server_info import server_info_body
 from app.server.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
@@ -94,15 +96,6 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
         legacy = msg.kv_transfer_params
         body["kv_transfer_params"] = {"remote_host": legacy.remote_host, "remote_port": legacy.remote_port}
     return token_request(body)
-
-
-def _dp_rank(msg: pb.GenerateRequest, dp_size: int) -> int | None:
-    if not msg.HasField("data_parallel_rank"):
-        return None
-    rank = msg.data_parallel_rank
-    if not 0 <= rank < dp_size:
-        raise bad_request(f"data_parallel_rank {rank} is out of range [0, {dp_size}).", "data_parallel_rank")
-    return rank
 
 
 # --------------------------------------------------------------------------------------------------- answers
@@ -186,7 +179,8 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         try:
             req = to_generate_request(request)
             params = admit(state, req)
-            dp_rank = _dp_rank(request, state.facts.data_parallel_size)
+            rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            dp_rank = data_parallel_rank(rank, state.facts.data_parallel_size, "data_parallel_rank")
         except ApiError as e:
             await fail(context, call, e)
             return
@@ -260,8 +254,6 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
-        from routers.info import server_info_body
-
         state = self.state
         info = await server_info_body(state, None)
         info.pop("routes", None)

@@ -9,14 +9,12 @@ import logging
 from typing import NoReturn
 
 import grpc
-from prometheus_client import Counter
 
-from app.core.metrics import REJECTED, reject_reason
+from app.core.metrics import GRPC_REQUESTS, REJECTED, reject_reason
 from app.core.protocol import ApiError
 
 log = logging.getLogger("tito.grpc")
 
-GRPC_REQUESTS = Counter("tito_grpc_requests_total", "gRPC calls by method and status code", ["method", "code"])
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,

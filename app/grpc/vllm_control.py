@@ -1,11 +1,11 @@
 """vLLM's native ``vllm.Control`` service (``proto/vllm_control.proto``) on tito's ``AppState``: how Dynamo's vLLM
 sidecar discovers the served model and drives engine control, LoRA and weight-version calls.
 
-Every call maps onto what tito's HTTP admin routes already do, through the same code: pause / resume go through the
-control plane's one-at-a-time queue (``app/server/control.py``, via ``routers/control.py``), LoRA loads through the
-adapter registry and its path allow-list (``app/weights/lora.py``: a ``source_path`` outside it is
-PERMISSION_DENIED), the native weight-transfer calls through ``WeightManager.native`` (UNIMPLEMENTED on CPU, as HTTP
-answers 501), ``Shutdown`` is tito's SIGTERM drain.
+Every call maps onto what tito's HTTP admin routes already do, through the same service layer: pause / resume
+(``app/server/control_service.py``) go through the control plane's one-at-a-time queue (``app/server/control.py``),
+LoRA loads through the adapter registry and its path allow-list (``app/weights/lora.py``: a ``source_path`` outside
+it is PERMISSION_DENIED), the native weight-transfer calls through ``app/server/weight_service.py`` (UNIMPLEMENTED on
+CPU, as HTTP answers 501), ``Shutdown`` is tito's SIGTERM drain.
 ``GetServerInfo`` / ``GetModelInfo`` are built once: the sidecar requires identical answers on every connection.
 Sleep mode is not offered (``sleep_mode_enabled`` false): Sleep / WakeUp are UNIMPLEMENTED, IsSleeping says false.
 """
@@ -28,8 +28,8 @@ from app.core.protocol import ApiError, bad_request
 from app.grpc.proto import vllm_control_pb2 as pb
 from app.grpc.proto import vllm_control_pb2_grpc as pb_grpc
 from app.grpc.status import GrpcCall, fail
+from app.server import control_service, weight_service
 from app.server.state import AppState
-from routers.control import pause_generation, resume_generation
 
 log = logging.getLogger("tito.grpc")
 T = TypeVar("T")
@@ -204,7 +204,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             if mode is None:
                 raise bad_request(f"unknown pause mode {request.mode}.", "mode")
             clear = request.clear_cache if request.HasField("clear_cache") else True
-            await pause_generation(self.state, mode, clear, PAUSE_TIMEOUT_S)
+            await control_service.pause_generation(self.state, mode, clear, PAUSE_TIMEOUT_S)
             return pb.PauseGenerationResponse()
 
         return await self._answer(context, "PauseGeneration", pause)
@@ -212,7 +212,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def ResumeGeneration(self, request: pb.ResumeGenerationRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> pb.ResumeGenerationResponse:
         async def resume() -> pb.ResumeGenerationResponse:
-            await resume_generation(self.state, RESUME_TIMEOUT_S)
+            await control_service.resume_generation(self.state, RESUME_TIMEOUT_S)
             return pb.ResumeGenerationResponse()
 
         return await self._answer(context, "ResumeGeneration", resume)
@@ -220,8 +220,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def IsPaused(self, request: pb.IsPausedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.IsPausedResponse:
         async def paused() -> pb.IsPausedResponse:
-            self.state.check_engine()
-            return pb.IsPausedResponse(paused=await self.state.engine.is_paused())
+            return pb.IsPausedResponse(paused=await control_service.is_paused(self.state))
 
         return await self._answer(context, "IsPaused", paused)
 
@@ -236,20 +235,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         GrpcCall("IsSleeping").done(grpc.StatusCode.OK)
         return pb.IsSleepingResponse(sleeping=False)
 
-    # ------------------------------------------------------------------ weights (routers/weights.py)
+    # ------------------------------------------------------------------ weights (app/server/weight_service.py)
 
     async def InitWeightTransferEngine(self, request: pb.InitWeightTransferEngineRequest,  # noqa: N802
                                        context: grpc.aio.ServicerContext) -> pb.InitWeightTransferEngineResponse:
-        from routers.weights import _engine_call, _require_transfer_engine
-
         async def init() -> pb.InitWeightTransferEngineResponse:
             info = _json_object(request.init_info_json, "init_info_json")
-            _require_transfer_engine(self.state)
-            mgr = self.state.weights
-            if mgr.busy or mgr.lock.locked():
-                raise ApiError(409, "a weight update is running; initialize the transfer when it has finished.")
-            await _engine_call(self.state, self.state.engine.init_weight_transfer_engine(info),
-                               "init_weight_transfer_engine")
+            await weight_service.init_transfer_engine(self.state, info, "initialize the transfer")
             return pb.InitWeightTransferEngineResponse()
 
         return await self._answer(context, "InitWeightTransferEngine", init)
@@ -257,8 +249,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def StartWeightUpdate(self, request: pb.StartWeightUpdateRequest,  # noqa: N802
                                 context: grpc.aio.ServicerContext) -> pb.StartWeightUpdateResponse:
         async def start() -> pb.StartWeightUpdateResponse:
-            self._transfer_ready()
-            await self.state.weights.native("start", self.state.engine.start_weight_update)
+            await weight_service.start_weight_update(self.state)
             return pb.StartWeightUpdateResponse()
 
         return await self._answer(context, "StartWeightUpdate", start)
@@ -275,8 +266,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                             context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
         async def update() -> pb.UpdateWeightsResponse:
             info = _json_object(request.update_info_json, "update_info_json")
-            self._transfer_ready()
-            await self.state.weights.native("update", lambda: self.state.engine.update_weights(info))
+            await weight_service.update_weights(self.state, info)
             return pb.UpdateWeightsResponse()
 
         return await self._answer(context, "UpdateWeights", update)
@@ -285,44 +275,29 @@ class ControlServicer(pb_grpc.ControlServicer):
                                  context: grpc.aio.ServicerContext) -> pb.FinishWeightUpdateResponse:
         async def finish() -> pb.FinishWeightUpdateResponse:
             version = request.weight_version if request.HasField("weight_version") else None
-            self._transfer_ready()
-            await self.state.weights.native("finish", lambda: self.state.engine.finish_weight_update(version),
-                                            version)
+            await weight_service.finish_weight_update(self.state, version)
             return pb.FinishWeightUpdateResponse()
 
         return await self._answer(context, "FinishWeightUpdate", finish)
 
     async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest,  # noqa: N802
                                   context: grpc.aio.ServicerContext) -> pb.UpdateWeightVersionResponse:
-        from routers.weights import _engine_call, _set_version
-
         async def label() -> pb.UpdateWeightVersionResponse:
             version = request.weight_version
             if not version:
                 raise bad_request("weight_version must be a non-empty label.", "weight_version")
-            self.state.check_engine()
-            await _engine_call(self.state, self.state.engine.set_weight_version(version), "update_weight_version")
-            _set_version(self.state, version)
+            await weight_service.set_weight_version(self.state, version)
             return pb.UpdateWeightVersionResponse()
 
         return await self._answer(context, "UpdateWeightVersion", label)
 
     async def GetWeightVersion(self, request: pb.GetWeightVersionRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> pb.GetWeightVersionResponse:
-        from routers.weights import _engine_call
-
         async def version() -> pb.GetWeightVersionResponse:
-            self.state.check_engine()
-            v = await _engine_call(self.state, self.state.engine.get_weight_version(), "get_weight_version")
+            v = await weight_service.weight_version(self.state, "get_weight_version")
             return pb.GetWeightVersionResponse(weight_version=v)
 
         return await self._answer(context, "GetWeightVersion", version)
-
-    def _transfer_ready(self) -> None:
-        from routers.weights import _require_transfer_engine
-
-        _require_transfer_engine(self.state)
-        self.state.check_engine()
 
 
 async def _no_sleep_mode() -> Any:

@@ -32,6 +32,7 @@ from app.grpc.proto import vllm_inference_pb2 as pb
 from app.grpc.proto import vllm_inference_pb2_grpc as pb_grpc
 from app.grpc.status import GrpcCall, fail
 from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
+from app.server.requests import data_parallel_rank
 from app.server.state import GENERATE_PREFIX, AppState
 
 if TYPE_CHECKING:
@@ -138,17 +139,10 @@ def to_generate_request(msg: pb.GenerateRequest) -> tuple[GenerateRequest, Wante
     return req, wanted
 
 
-def data_parallel_rank(context: grpc.aio.ServicerContext, dp_size: int) -> int | None:
+def rank_metadata(context: grpc.aio.ServicerContext, dp_size: int) -> int | None:
+    """The data-parallel rank the call's metadata pins it to (as Dynamo's sidecar sends it)."""
     raw = next((str(v) for k, v in context.invocation_metadata() or () if k == DP_RANK_KEY), None)
-    if raw is None:
-        return None
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise bad_request(f"{DP_RANK_KEY} must be an integer, got {raw!r}.", DP_RANK_KEY) from None
-    if not 0 <= rank < dp_size:
-        raise bad_request(f"{DP_RANK_KEY} {rank} is out of range [0, {dp_size}).", DP_RANK_KEY)
-    return rank
+    return data_parallel_rank(raw, dp_size, DP_RANK_KEY)
 
 
 # --------------------------------------------------------------------------------------------------- answers
@@ -353,7 +347,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               "stopping.stop_strings")
         lora = state.adapters.resolve(request.lora_name).handle if request.lora_name else \
             state.resolve_model(req.model)
-        return req, want, lora, params, data_parallel_rank(context, state.facts.data_parallel_size)
+        return req, want, lora, params, rank_metadata(context, state.facts.data_parallel_size)
 
     async def _run(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, call: GrpcCall,
                    send: Callable[[pb.GenerateResponse], Awaitable[None]], unary: bool) -> None:

@@ -120,9 +120,10 @@ class AppState:
         if self.engine.errored:
             raise ApiError(503, f"engine is dead: {self.engine_death_cause()}")
 
-    def engine_error(self, e: BaseException, what: str, param_prefix: str = "") -> ApiError:
-        """The one mapping of an engine failure to an answer: dead → 503, input the engine refused → 400 (naming
-        the parameter when vLLM does), anything else → 500 (logged; no stack trace reaches the client)."""
+    def engine_error(self, e: BaseException, what: str, param_prefix: str = "", failed: str | None = None) -> ApiError:
+        """The one mapping of an engine failure to an answer (the engine's translation: app/engine/errors.py): dead →
+        503, input the engine refused → 400 (naming the parameter when vLLM does), anything else → 500 (logged; no
+        stack trace reaches the client), with ``failed`` as its message when given."""
         e = self.engine.translate_error(e)
         if isinstance(e, ApiError):
             return e
@@ -131,7 +132,7 @@ class AppState:
         if isinstance(e, EngineRejected):
             return ApiError(400, str(e), param=f"{param_prefix}{e.parameter}" if e.parameter else None)
         log.error("%s failed", what, exc_info=e)
-        return ApiError(500, f"{what} failed: {type(e).__name__}")
+        return ApiError(500, failed or f"{what} failed: {type(e).__name__}")
 
     def engine_death_cause(self) -> str:
         """Record (once) and return why the engine is dead: which engine process exited and how."""

@@ -11,64 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from app.core.protocol import ApiError
-from app.engine.weight_markers import lower_priority
 
 UPLOAD_COPY_BLOCK = _HASH_BLOCK = 16 * 1024 * 1024
 
 # Staging's file work (chunk writes, copies, hashes: the GIL is released while they run): threads of its own.
 _THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tito-stage")
-# Reading and checking a delta is CPU work in Python and numpy: a process of its own, at low priority. In a thread it
-# would hold the GIL the event loop (and so every token stream) needs, and a low-priority thread holding the GIL
-# stalls the loop for as long as the kernel keeps it waiting: a priority inversion. Started on first use.
-_PROCESS: ProcessPoolExecutor | None = None
-
-
 async def background(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in a staging thread, off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(_THREADS, lambda: fn(*args))
-
-
-def _process_start() -> None:
-    """The staging process: its imports (torch among them) at normal priority, then low priority for the work (a
-    low-priority start-up on a busy machine took a minute)."""
-    import importlib
-
-    importlib.import_module("app.weights.staging")
-    lower_priority()
-
-
-async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
-    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process; past
-    ``timeout`` seconds the process is killed (the next call starts another) and the caller gets a 504."""
-    global _PROCESS
-    if _PROCESS is None:
-        _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_process_start)
-    pool = _PROCESS
-    try:
-        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args), timeout)
-    except BrokenProcessPool:
-        _PROCESS = None  # the process died (killed, out of memory): the next stage starts another
-        raise ApiError(503, "the staging process died; retry the stage.", headers={"Retry-After": "1"}) from None
-    except TimeoutError:
-        _PROCESS = None
-        for proc in list((pool._processes or {}).values()):  # the executor offers no way to stop a running call
-            proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise ApiError(504, f"checking the delta took over {timeout:g}s (--stage-timeout); retry the stage.") \
-            from None
 
 
 def sha256_file(path: Path) -> str:

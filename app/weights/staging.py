@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -25,12 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter, Gauge, Histogram
-
+from app.core.metrics import (
+    DELTA_ELEMENTS,
+    STAGE_BYTES,
+    STAGE_SECONDS,
+    STAGE_UPLOADS,
+    STAGED,
+    STAGED_VERSION,
+    STAGES,
+)
 from app.core.protocol import ApiError
-from app.engine.delta_format import DeltaFormatError, StreamWriter, check_against, iter_delta
-from app.weights.stage_uploads import Uploads, background, in_process, remove_tree, safe_component, sha256_file
-from app.weights.updates import TensorInfo, UpdateOutcome, WeightManager, is_buffer, scan_checkpoint, validate
+from app.engine.delta_format import DeltaFormatError
+from app.weights.delta_check import in_process, prepare_delta
+from app.weights.stage_uploads import Uploads, background, remove_tree, safe_component, sha256_file
+from app.weights.updates import TensorInfo, UpdateOutcome, WeightManager, scan_checkpoint, validate
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
@@ -46,18 +55,6 @@ MODES = ("full", "delta")
 READY_POLL, READY_POLL_MAX = 0.05, 0.5
 WORKER_RPC_TIMEOUT = 60.0  # the workers' quick answers (copy status, prepare, layout); the engine core may be busy
 BASE = "base"
-
-STAGED = Gauge("tito_staged_versions", "Weight versions staged and not yet committed")
-STAGED_VERSION = Gauge("tito_staged_version", "1 for each staged version (at most --max-staged-versions)",
-                       ["version", "mode"])
-UPLOADS = Gauge("tito_stage_uploads_in_progress", "Chunked and streaming stage uploads not yet finalized")
-STAGES = Counter("tito_stages_total", "Stage calls that completed a staged version, by transport, mode and outcome",
-                 ["transport", "mode", "outcome"])
-STAGE_BYTES = Counter("tito_stage_bytes_total", "Bytes of staged artifacts, by transport", ["transport"])
-STAGE_SECONDS = Histogram("tito_stage_check_seconds", "Seconds to read, check and prepare a staged version",
-                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-DELTA_ELEMENTS = Counter("tito_delta_elements_total", "Weight elements changed by committed deltas")
-
 
 @dataclass
 class Staged:
@@ -82,49 +79,6 @@ class Staged:
         return {"version": self.version, "mode": self.mode, "base_version": self.base_version,
                 "transport": self.transport, "source": self.source, "sha256": self.sha256, "bytes": self.nbytes,
                 "tensors": self.tensors, "elements": self.elements, "staged_at": self.staged_at}
-
-
-def field_str(fields: dict[str, Any], name: str, required: bool = True) -> str | None:
-    v = fields.get(name)
-    if v is None or v == "":
-        if required:
-            raise ApiError(400, f"{name} is required.", param=name)
-        return None
-    if not isinstance(v, (str, int)) or isinstance(v, bool) or len(str(v)) > 256:
-        raise ApiError(400, f"{name} must be a string of at most 256 characters.", param=name)
-    return str(v)
-
-
-def field_int(fields: dict[str, Any], name: str) -> int:
-    raw = field_str(fields, name)
-    try:
-        v = int(str(raw))
-    except ValueError:
-        raise ApiError(400, f"{name} must be an integer.", param=name) from None
-    if v < 0:
-        raise ApiError(400, f"{name} must be non-negative.", param=name)
-    return v
-
-
-def prepare_delta(artifact: Path, out: Path, expected: dict[str, TensorInfo]) -> tuple[int, int]:
-    """Read every record of the delta, check it against the active weights, write the prepared form. Blocking."""
-    tensors = elements = 0
-    try:
-        with StreamWriter(out) as w:
-            for rec in iter_delta(artifact):
-                info = expected.get(rec.name)
-                if info is None:
-                    if is_buffer(rec.name):
-                        continue
-                    raise DeltaFormatError(f"the model has no tensor {rec.name!r}.")
-                check_against(rec, info.shape, info.dtype)
-                w.write(rec)
-                tensors += 1
-                elements += rec.indices.numel()
-    except BaseException:
-        out.unlink(missing_ok=True)
-        raise
-    return tensors, elements
 
 
 class StagingManager:
@@ -159,14 +113,10 @@ class StagingManager:
     def is_active(self, version: str) -> bool:
         return version == self.active_version or (self.on_base and version == self.weights.version)
 
-    def check(self, fields: dict[str, Any]) -> tuple[str, str, str | None]:
+    def check(self, version: str, mode: str, base: str | None) -> tuple[str, str, str | None]:
         """Prime-RL's rules for every stage route (and the commit's base): (version, mode, base_version)."""
-        version = field_str(fields, "version")
-        mode = field_str(fields, "mode", required=False) or "full"
-        assert version is not None
         if mode not in MODES:
             raise ApiError(400, f"unsupported weight update mode: {mode} (full or delta).", param="mode")
-        base = field_str(fields, "base_version", required=False)
         if mode == "delta":
             self.check_clean()
             if base is None:
@@ -211,6 +161,25 @@ class StagingManager:
             raise ApiError(409, f"the checkpoint the active weights were loaded from ({directory}) changed on disk "
                                 "since: stage a full version or POST /reload_weights first.")
         return ck.tensors, [str(f) for f in ck.files]
+
+    async def register(self, version: str, mode: str, base: str | None, artifact: Path, transport: str, source: str,
+                       owned: Path | None, sha256: str | None = None) -> dict[str, Any]:
+        """Check and stage an artifact (a delta file; a full checkpoint's directory, or its one file)."""
+        if mode == "delta":
+            assert base is not None
+            return await self.register_delta(version, base, artifact, transport, source, owned, sha256)
+        directory = artifact
+        if artifact.is_file():
+            # A single checkpoint file: a directory holding just it, under the name a checkpoint loader looks for.
+            directory = owned or self.new_dir(version)
+            target = directory / "model.safetensors"
+            if target != artifact:
+                if owned is not None:
+                    await background(os.replace, artifact, target)  # our own upload: moved
+                else:
+                    target.symlink_to(artifact)  # a path the caller staged: linked, never copied
+            owned = directory
+        return await self.register_full(version, directory, transport, source, owned, sha256)
 
     async def register_delta(self, version: str, base: str, artifact: Path, transport: str, source: str,
                              owned: Path | None, sha256: str | None = None) -> dict[str, Any]:
@@ -440,8 +409,12 @@ class StagingManager:
 
     # ------------------------------------------------------------------ reporting
 
+    def count_uploads(self) -> None:
+        """The uploads-in-progress gauge, after an upload changed."""
+        STAGE_UPLOADS.set(sum(u.result is None for u in self.uploads.active.values()))
+
     def info(self) -> dict[str, Any]:
-        UPLOADS.set(sum(u.result is None for u in self.uploads.active.values()))
+        self.count_uploads()
         return {"active_version": self.active_version, "active_sha256": self.active_sha256,
                 "dirty": self.weights.inconsistent is not None, "directory": str(self.root),
                 "staged": [e.body() for e in sorted(self.staged.values(), key=lambda e: e.staged_at)],

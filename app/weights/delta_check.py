@@ -1,0 +1,74 @@
+"""A staged delta read, checked against the active weights and written in tito's prepared form (``prepare_delta``),
+in a low-priority process of its own (``in_process``).
+
+Reading and checking a delta is CPU work in Python and numpy. In a thread it would hold the GIL the event loop (and so
+every token stream) needs, and a low-priority thread holding the GIL stalls the loop for as long as the kernel keeps
+it waiting: a priority inversion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+from app.core.protocol import ApiError
+from app.engine.delta_format import DeltaFormatError, StreamWriter, check_against, iter_delta
+from app.engine.weight_markers import lower_priority
+from app.weights.updates import TensorInfo, is_buffer
+
+_PROCESS: ProcessPoolExecutor | None = None  # started on first use
+
+
+def _process_start() -> None:
+    """The staging process: its imports (this module's, torch among them: the process imports this module to find
+    this function) at normal priority, then low priority for the work (a low-priority start-up on a busy machine took
+    a minute)."""
+    lower_priority()
+
+
+async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process; past
+    ``timeout`` seconds the process is killed (the next call starts another) and the caller gets a 504."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_process_start)
+    pool = _PROCESS
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args), timeout)
+    except BrokenProcessPool:
+        _PROCESS = None  # the process died (killed, out of memory): the next stage starts another
+        raise ApiError(503, "the staging process died; retry the stage.", headers={"Retry-After": "1"}) from None
+    except TimeoutError:
+        _PROCESS = None
+        for proc in list((pool._processes or {}).values()):  # the executor offers no way to stop a running call
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise ApiError(504, f"checking the delta took over {timeout:g}s (--stage-timeout); retry the stage.") \
+            from None
+
+
+def prepare_delta(artifact: Path, out: Path, expected: dict[str, TensorInfo]) -> tuple[int, int]:
+    """Read every record of the delta, check it against the active weights, write the prepared form. Blocking."""
+    tensors = elements = 0
+    try:
+        with StreamWriter(out) as w:
+            for rec in iter_delta(artifact):
+                info = expected.get(rec.name)
+                if info is None:
+                    if is_buffer(rec.name):
+                        continue
+                    raise DeltaFormatError(f"the model has no tensor {rec.name!r}.")
+                check_against(rec, info.shape, info.dtype)
+                w.write(rec)
+                tensors += 1
+                elements += rec.indices.numel()
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return tensors, elements
