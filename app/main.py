@@ -174,7 +174,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class TitoApp(FastAPI):
-    """The FastAPI app, with the generate route's lean path in front of it (issue 29): ``POST
+    """The FastAPI app, with the generate route's lean path in front of it: ``POST
     /inference/v1/generate`` goes straight to ``routers.generate_lean.Lean``, which does what the middleware below and
     FastAPI's routing do for that route, in one layer; every other request takes the stack. A middleware added after
     ``create_app`` (``--log-requests`` mounts the request log so) turns the lean path off, so that it sees every

@@ -1,5 +1,5 @@
 """The generate route's lean path: ``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app
-(app/main.py ``TitoApp``), doing what the middleware stack and FastAPI's routing do for that route (issue 29).
+(app/main.py ``TitoApp``), doing what the middleware stack and FastAPI's routing do for that route.
 """
 
 from __future__ import annotations

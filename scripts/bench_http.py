@@ -3,7 +3,7 @@
 bare ASGI app that does the same fake work on the same server (uvicorn, uvloop, httptools, as ``tito serve``).
 
 No vLLM engine runs, so this is where a change to the HTTP hot path shows its effect in seconds, and where the engine
-is not the limit (issue 29). The systems, each started fresh every round, rounds interleaved:
+is not the limit. The systems, each started fresh every round, rounds interleaved:
 
     tito   ``create_app(settings, engine=FakeEngine())`` served as ``tito serve`` serves it
     bare   a bare ASGI app: read the body, orjson, the same fake engine, write the answer (the floor of any server

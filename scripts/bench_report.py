@@ -48,7 +48,7 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
 def added_cpu(summary: dict[str, Any], rounds: list[dict[str, Any]], systems: list[str],
               workloads: list[Workload]) -> dict[str, Any]:
     """Per workload: the CPU per request each server's API process spends above the in-process engine client for
-    the same work (issue 29's measure of a server's own cost), and tito's figure (and the base checkout's) over vLLM's
+    the same work (the measure of a server's own cost), and tito's figure (and the base checkout's) over vLLM's
     server's. Ratios are taken round by round (each round's systems ran back to back) and their median reported, so a
     slow spell of a shared machine falls on both sides of each ratio."""
     if "inprocess" not in systems:

@@ -1,4 +1,4 @@
-"""The suite's time budget (issue 28: ``make test`` in 20 minutes on a 2-core machine), printed at the end of every
+"""The suite's time budget (``make test`` in 20 minutes on a 2-core machine), printed at the end of every
 run: seconds per module (setup, call and teardown of its tests, reruns included), the engine starts each module
 waited for, and a warning naming the slowest modules when the run passes the budget.
 
@@ -61,4 +61,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if wall > BUDGET_S:
         slow = ", ".join(f"{m} {s:.0f}s" for m, s in by_time[:SLOWEST])
         tr.write_line(f"WARNING: the suite took {wall:.0f}s, over its budget of {BUDGET_S:.0f}s "
-                      f"(TITO_TEST_BUDGET_S; issue 28). Slowest modules: {slow}", yellow=True, bold=True)
+                      f"(TITO_TEST_BUDGET_S). Slowest modules: {slow}", yellow=True, bold=True)

@@ -1,7 +1,7 @@
 """The request shapes real RL trainers send (Prime-RL, TRL, SkyRL), fired at one server all at once: every answer is
 a 200 (or the 400 the server's configuration documents for that shape), and the engine serves afterwards.
 
-Issue 31: a valid request (SkyRL's ``sample`` with prompt logprobs) killed the engine of a LoRA server, and so did an
+Why: a valid request (SkyRL's ``sample`` with prompt logprobs) killed the engine of a LoRA server, and so did an
 n=1 prompt-logprobs request next to any unrelated one. Which batches a server builds depends on what arrives
 together, so the shapes go out concurrently, beside a long decode that shares their engine steps. Each module that
 owns a server configuration (LoRA, data parallel, a VLM, KV events) runs this on it; a few seconds each.
@@ -25,9 +25,9 @@ def shapes(prompt: list[int] = PROMPT, model: str | None = None) -> dict[str, di
 
     named: dict[str, Any] = {"model": model} if model else {}
     return {
-        # Beside everything else: the unrelated decode issue 31's prompt-logprobs requests died next to.
+        # Beside everything else: the unrelated decode that prompt-logprobs requests once killed the engine next to.
         "long_decode": body({"max_tokens": 48, "ignore_eos": True, "temperature": 1.0, "seed": 1}),
-        # SkyRL 0.4 RemoteInferenceClient.sample (issue 31's request): n samples, logprobs 0, prompt logprobs.
+        # SkyRL 0.4 RemoteInferenceClient.sample (once fatal on a LoRA server): n samples, logprobs 0, prompt logprobs.
         "skyrl_sample": body({"n": 2, "max_tokens": 4, "prompt_logprobs": 2, "seed": 8, "logprobs": 0,
                               "output_kind": 2, "temperature": 1.0, "top_k": -1, "top_p": 1.0}, **named),
         # Scoring a sequence (reference/old logprobs): one token, the prompt's logprobs.

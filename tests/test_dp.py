@@ -80,7 +80,7 @@ def test_bad_rank_is_400(client: httpx.Client, bad: str) -> None:
 
 
 def test_trainer_request_shapes_together_keep_both_engines(server: ServerProcess) -> None:
-    """Issue 31's sweep on data parallel 2: every shape unpinned, and again pinned to rank 0 or 1."""
+    """The trainer request-shape sweep on data parallel 2: every shape unpinned, and again pinned to rank 0 or 1."""
     bodies = shapes()
     pinned = {f"{name}@{i % 2}": body for i, (name, body) in enumerate(bodies.items())}
     fire(server.url, {**bodies, **pinned}, headers={name: {"X-data-parallel-rank": name[-1]} for name in pinned})

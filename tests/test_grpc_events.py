@@ -151,7 +151,7 @@ def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Repli
 
 
 def test_trainer_request_shapes_together_keep_the_engine_publishing(a: Replica) -> None:
-    """Issue 31's sweep on the KV-events configuration, a subscriber reading along: the engine serves afterwards and
+    """The request-shape sweep on the KV-events configuration, a subscriber reading along: the engine serves after and
     published the sweep's blocks (the 200-token prompt fills whole blocks)."""
     sub = _Subscription(a)
     try:

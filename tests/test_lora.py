@@ -327,7 +327,8 @@ def test_prompt_logprobs_on_a_lora_server_are_served_and_the_engine_lives(lc, cl
 
 
 def test_trainer_request_shapes_together_keep_the_engine(lc, lora_server, w1, work) -> None:
-    """Issue 31's sweep on the LoRA configuration: Prime-RL, TRL and SkyRL shapes at once, some by adapter name."""
+    """The request-shape sweep on the LoRA configuration: Prime-RL, TRL and SkyRL shapes at once, some by adapter
+    name."""
     assert load(lc, "sweep", write_adapter(work / "sweep", w1)).status_code == 200
     try:
         for model in ("sweep", None):

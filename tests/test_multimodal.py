@@ -318,7 +318,7 @@ def test_expanded_ids_refused(tito_vlm: ServerProcess, vllm_vlm: str, tok: Any) 
 
 @pytest.mark.engine
 def test_trainer_request_shapes_together_keep_the_engine(tito_vlm: ServerProcess, tok: Any) -> None:
-    """Issue 31's sweep on the VLM: the text shapes and image requests (a group, prompt logprobs, a stream, two
+    """The request-shape sweep on the VLM: the text shapes and image requests (a group, prompt logprobs, a stream, two
     images) at once."""
     ids = prompt_ids(tok)
     two = tok(TEMPLATE.replace("<image>", "<image><image>").format(text="compare"), add_special_tokens=False).input_ids

@@ -1,5 +1,5 @@
-"""Seeded sampling through weight updates and KV-cache pressure on CPU (issue 14), on a tiny model whose rotary
-settings differ from the defaults (rope_theta 1e6, issue 19).
+"""Seeded sampling through weight updates and KV-cache pressure on CPU, on a tiny model whose rotary
+settings differ from the defaults (rope_theta 1e6).
 
 vLLM rewinds a seeded request's generator (``gen.set_offset``) whenever a step computes fewer tokens than the
 request holds, which a CPU generator cannot do: the EngineCore died. Such steps are chunked prefills: a prompt
@@ -141,7 +141,7 @@ def test_seeded_requests_frozen_through_updates(client, root):
 
 
 def test_rotary_with_non_default_theta_survives_updates(client, server, root, fresh):
-    """Issue 19 on rope_theta 1e6: output after an update equals transformers on the new weights, a reload gives
+    """On rope_theta 1e6: output after an update equals transformers on the new weights, a reload gives
     back this server's fresh answers exactly, and the rotary cache stays bit-identical."""
     from tests.reference import Reference
 

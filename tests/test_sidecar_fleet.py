@@ -49,8 +49,9 @@ from tests.sidecar import (
 )
 from tests.streaming import GEN
 
-pytestmark = pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
-                                "installed; `make test` installs it")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
+                                 "installed; `make test` installs it")]
 
 N_PROMPTS = 12
 MAX_TOKENS = 16

@@ -25,8 +25,9 @@ from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
 from tests.sidecar import MODEL, dynamo_available, models_listed, rl_workers, start_frontend, system_port, wait_for
 from tests.streaming import GEN
 
-pytestmark = pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
-                                "installed; `make test` installs it")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
+                                 "installed; `make test` installs it")]
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:

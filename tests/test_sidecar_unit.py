@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.core.protocol import ApiError
+from app.engine.sampling import Limits, build_sampling_params
 from app.grpc.detokenize import Detokenizer
 from app.grpc.proto import vllm_control_pb2 as cpb
 from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
@@ -28,6 +29,8 @@ from app.grpc.vllm_inference import to_generate_request
 from app.grpc.vllm_native import is_loopback_peer
 from tests.helpers import ROOT
 from tests.test_grpc_auth import ADMIN, KEY, StandInState, _code
+
+LIMITS = Limits(vocab_size=512, max_model_len=64, max_num_seqs=4, max_logprobs=5, priority_scheduling=False)
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -122,6 +125,35 @@ def test_refused_before_the_engine(msg: ipb.GenerateRequest, param: str) -> None
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_both_grpc_services_refuse_in_the_same_words() -> None:
+    """smg's VllmEngine and vLLM's vllm.Inference map their protos onto one path (app/grpc/token_request.py): what
+    neither can carry to a tokens-only server is refused in one wording (naming each proto's own field), and a
+    structured output in the token API's."""
+    from smg_grpc_proto import vllm_engine_pb2 as epb
+
+    from app.grpc import servicer
+    from app.grpc.vllm_inference import to_generate_request as native
+
+    def words(fn: Any, msg: Any) -> str:
+        with pytest.raises(ApiError) as e:
+            fn(msg)
+        assert e.value.status == 400
+        return e.value.message
+
+    ids = epb.TokenizedInput(input_ids=[1, 2, 3])
+    smg_mm = epb.GenerateRequest(tokenized=ids)
+    smg_mm.mm_inputs.im_token_id = 5
+    for smg, nat in ((epb.GenerateRequest(text="hi"), ipb.GenerateRequest(text="hi")),
+                     (epb.GenerateRequest(tokenized=ids, sampling_params=epb.SamplingParams(truncate_prompt_tokens=2)),
+                      _req(truncate_prompt_tokens=2)),
+                     (smg_mm, _req(media=[ipb.MediaItem(modality=ipb.MODALITY_IMAGE, url="http://x/y.png")])),
+                     (epb.GenerateRequest(tokenized=ids, sampling_params=epb.SamplingParams(regex="a+")),
+                      _req(decoding=ipb.DecodingParameters(regex="a+")))):
+        smg_words = words(lambda m: build_sampling_params(servicer.to_generate_request(m), LIMITS), smg)
+        # The one wording names the field each proto puts token ids in.
+        assert smg_words.replace("tokenized.input_ids", "token_ids") == words(native, nat)
+
+
 # ------------------------------------------------------------------------------------------------ text
 
 
@@ -132,6 +164,7 @@ def detok(tiny_model: Path) -> Detokenizer:
     return d
 
 
+@pytest.mark.engine
 def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("The sea was calm, and the ship sailed on.").ids
@@ -146,6 +179,7 @@ def test_streamed_text_is_the_decoded_tokens(detok: Detokenizer) -> None:
     assert Detokenizer.load(str(ROOT / "no-such-model")) is None
 
 
+@pytest.mark.engine
 def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
     tok = detok.tokenizer
     ids = tok.encode("one two three four five").ids

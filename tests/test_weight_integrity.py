@@ -1,10 +1,10 @@
-"""Weight integrity under faults, on the real engine (issue 14): an update that fails after the model started to
+"""Weight integrity under faults, on the real engine: an update that fails after the model started to
 change leaves the server paused and refusing work with a clear 503 ("inconsistent"), until a good update repairs it.
 
 One server (the session's shared long-context one) for every way in: a shard read that fails after validation, a
 worker exception mid-load (vLLM's own loader), a layer that loads nothing, a trainer that dies mid-broadcast, a
 broadcast that times out mid-stream. The faults are injected through the worker's test-only hook
-(``TITO_TEST_FAULT_FILE``, app/engine/worker.py) or a sender that misbehaves (tests/weight_sender.py). Also issue 19:
+(``TITO_TEST_FAULT_FILE``, app/engine/worker.py) or a sender that misbehaves (tests/weight_sender.py). Also:
 the rotary caches are bit-identical across updates, and the "RotaryEmbedding: Failed to load weights" warning is
 replaced by one INFO line per update."""
 
@@ -138,7 +138,7 @@ def test_worker_raises_mid_load_then_reload_repairs(client, server, root, fault,
 
 
 def test_a_layer_that_loads_nothing_fails_the_update(client, server, root, fault):
-    """Issue 19's other half: a real "Failed to load weights" (a layer the checkpoint covers loaded nothing) stays
+    """The other half: a real "Failed to load weights" (a layer the checkpoint covers loaded nothing) stays
     an error and fails the update."""
     arm(fault, "skip:model.norm.weight")
     r = update(client, write_step(root / "run" / "step_4", tiny_state_dict(14)))
@@ -212,7 +212,7 @@ def test_broadcast_timeout_mid_stream_and_probes_stay_live(client, server, root)
 
 
 def test_rotary_caches_bit_identical_and_one_info_line(client, server, root, fresh):
-    """Issue 19: every reload keeps the rotary cache bit for bit (the worker hashes the named buffers before and
+    """Every reload keeps the rotary cache bit for bit (the worker hashes the named buffers before and
     after), the warning is gone, one INFO line per update says what was kept, and output equals the fresh engine."""
     n0 = server.log_text().count("kept as is")
     assert client.post("/reload_weights").status_code == 200

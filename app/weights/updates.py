@@ -205,7 +205,7 @@ def reload_seconds(results: list[Any] | None) -> float | None:
 
 def log_kept(results: list[Any] | None) -> None:
     """One INFO line per update for what vLLM's reload kept as is: layers that hold only buffers no checkpoint has
-    (the rotary ``cos_sin_cache``), whose "Failed to load weights" warning the workers drop (issue 19)."""
+    (the rotary ``cos_sin_cache``), whose "Failed to load weights" warning the workers drop."""
     rows = [r for r in results or [] if isinstance(r, dict) and "kept" in r]
     if not rows:
         return
