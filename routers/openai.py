@@ -80,7 +80,8 @@ async def _generate(request: Request, state: AppState, kind: str) -> Response:
     state.admit()
     _dp_rank(request, state.facts.data_parallel_size)  # vLLM ignores a bad header; tito answers 400
     layer = await state.openai_layer()
-    run = layer.completions if kind == "completion" else layer.chat_completions
+    run = {"completion": layer.completions, "chat": layer.chat_completions, "responses": layer.responses,
+           "messages": layer.messages}[kind]
     answer = await _unless_disconnected(request, state, run(request, body, _gate(request, state)))
     if answer.stream is not None:
         return _Sse(answer)
@@ -159,3 +160,23 @@ async def detokenize(request: Request, state: AppState = Depends(get_state)) -> 
     body = await _body(request, state)
     state.check_engine()
     return _json(await (await state.openai_layer()).detokenize(request, body, state.limits))
+
+
+@router.post("/v1/responses", responses=ERROR_RESPONSES,
+             summary="vLLM's Responses API (needs the model's tokenizer and chat template)")
+async def responses(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "responses")
+
+
+@router.post("/v1/messages", responses=ERROR_RESPONSES,
+             summary="vLLM's Anthropic Messages API (needs the model's tokenizer and chat template)")
+async def messages(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "messages")
+
+
+@router.post("/v1/messages/count_tokens", responses=ERROR_RESPONSES,
+             summary="vLLM's Anthropic count_tokens: the prompt's length under the chat template")
+async def count_tokens(request: Request, state: AppState = Depends(get_state)) -> Response:
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await (await state.openai_layer()).count_tokens(request, body))

@@ -70,6 +70,9 @@ class Settings:
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
+    lora_keep_versions: int = flag(
+        2, "Versioned LoRA names <name>-v<N> (AReaL loads one per step and never unloads): keep the newest N "
+        "versions of each name, unload older ones (freed in the engine once no request is in flight); 0 keeps all.")
     stream_interval: int = flag(1, "Tokens per streamed event (vLLM's stream_interval): 1 sends every engine step's "
                                 "tokens at once; N > 1 fewer, larger events (the first and last still at once).")
     skip_tokenizer_init: bool | None = flag(

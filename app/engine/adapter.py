@@ -386,6 +386,20 @@ class Engine:
     async def close_broadcaster(self) -> list[Any]:
         return await self.collective_rpc("tito_close_broadcaster")
 
+    # AReaL's weight sync (app/engine/worker_areal.py; orchestration: app/weights/areal.py)
+
+    async def areal_join(self, **kw: Any) -> list[Any]:
+        return await self.collective_rpc("tito_areal_join", kwargs=kw)
+
+    async def areal_receive(self, **kw: Any) -> list[Any]:
+        return await self.collective_rpc("tito_areal_receive", kwargs=kw)
+
+    async def areal_receive_lora(self, **kw: Any) -> list[Any]:
+        return await self.collective_rpc("tito_areal_receive_lora", kwargs=kw)
+
+    async def areal_discard(self) -> list[Any]:
+        return await self.collective_rpc("tito_areal_discard")
+
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 

@@ -18,6 +18,7 @@ from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
 from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED, inject_fault
+from app.engine.worker_areal import ArealWorker
 from app.engine.worker_delta import DeltaWorker
 
 log = logging.getLogger("tito.worker")
@@ -44,7 +45,7 @@ class _Broadcaster:
         self.close = close
 
 
-class TitoWorkerExtension(DeltaWorker):
+class TitoWorkerExtension(DeltaWorker, ArealWorker):
     _tito_bcast: _Broadcaster | None = None
 
     def liveness_probe(self) -> int:
@@ -147,7 +148,7 @@ class TitoWorkerExtension(DeltaWorker):
         try:
             if backend not in ("gloo", "nccl"):
                 raise ValueError(f"{CLIENT_ERROR}unknown broadcast backend {backend!r} (nccl or gloo).")
-            _wait_for_store(host, port, timeout)
+            wait_for_store(host, port, timeout)
             if backend == "gloo":
                 recv, close = _gloo_group(host, port, rank, world, td)
             else:
@@ -399,7 +400,7 @@ def _check_part(names: list[tuple[str, tuple[int, ...]]], expected: dict[str, li
                              f"expects {list(want)}.")
 
 
-def _wait_for_store(host: str, port: int, timeout: float) -> None:
+def wait_for_store(host: str, port: int, timeout: float) -> None:
     """Wait, within ``timeout``, until the trainer's TCPStore accepts connections. torch's store client retries a
     refused connect on its own clock (minutes), and on a local port nobody listens on, one of its retries can
     connect the socket to itself (TCP self-connect: the ephemeral source port equals the target) and then wait for
