@@ -137,7 +137,7 @@ def test_pause_cuts_the_rollout_and_every_token_has_its_versions_weights(full: d
     there on."""
     got = ok(full, "pause_generation_update_from_disk")
     tokens, versions = got["tokens"], got["versions"]
-    assert len(tokens) == len(versions) == 1500 and got["stop_reason"] == "length"
+    assert len(tokens) == len(versions) == 600 and got["stop_reason"] == "length"
     cut = versions.index(1)
     assert 0 < cut and set(versions[:cut]) == {0} and set(versions[cut:]) == {1}, "the rollout was not cut"
     n0 = min(cut, 200)
@@ -232,3 +232,100 @@ def test_unknown_tensor_and_wrong_shape_are_400_on_a_joined_group(server: Server
         r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})
         assert r.status_code == 200, r.text
         dist.destroy_process_group(box["pg"])
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_tito: ServerProcess) -> Any:
+    restore_server(lora_tito.url)
+    yield lora_tito
+    with httpx.Client(base_url=lora_tito.url, timeout=60) as c:
+        for entry in c.get("/lora_adapters").json()["data"]:
+            c.post("/v1/unload_lora_adapter", json={"lora_name": entry["lora_name"]})
+    restore_server(lora_tito.url)
+
+
+@pytest.fixture(scope="module")
+def lora_run(lora_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Version 0 from disk (/v1/load_lora_adapter), versions 1 and 2 over AReaL's LoRA broadcast; the transformers
+    references with each version merged in."""
+    from tests.test_lora import make_weights, merged_reference, write_adapter
+
+    base_dir = model_dir(lora_server)
+    base = load_file(str(base_dir / "model.safetensors"))
+    work = tmp_path_factory.mktemp("areal-lora")
+    weights = [make_weights(base, 100 + v) for v in range(3)]
+    dirs = [write_adapter(work / f"adapter_v{v}", w) for v, w in enumerate(weights)]
+    refs = [merged_reference(base_dir, base, w, work / f"merged_v{v}") for v, w in enumerate(weights)]
+    report = run_driver(lora_server.url, {"mode": "lora", "lora_name": "policy", "ckpts": [str(d) for d in dirs],
+                                          "fileroot": str(work)}, work)
+    return {"report": report, "refs": refs}
+
+
+def test_lora_versions_from_disk_and_broadcast_equal_peft_merged(lora_run: dict[str, Any],
+                                                                 lora_server: ServerProcess) -> None:
+    report, refs = lora_run["report"], lora_run["refs"]
+    ok(report, "initialize")
+    ok(report, "update_weights_from_disk_lora")
+    ok(report, "init_weights_update_group")
+    ok(report, "update_weights_from_distributed_lora")
+    ok(report, "update_weights_from_distributed_lora_2")
+    for v in range(3):
+        got = ok(report, f"agenerate_lora_v{v}")
+        toks, lps = refs[v].greedy(PROMPT, 8)
+        assert got["tokens"] == toks, f"version {v}"
+        assert got["logprobs"] == pytest.approx(lps, abs=1e-3)
+        assert got["versions"] == [v] * 8
+    assert refs[1].greedy(PROMPT, 8)[0] != refs[2].greedy(PROMPT, 8)[0] or \
+        refs[0].greedy(PROMPT, 8)[0] != refs[1].greedy(PROMPT, 8)[0]
+    # --lora-keep-versions 2 (the default): v0 was unloaded when v2 loaded.
+    names = {e["lora_name"] for e in httpx.get(lora_server.url + "/lora_adapters", timeout=30).json()["data"]}
+    assert names == {"policy-v1", "policy-v2"}
+    r = httpx.post(lora_server.url + "/v1/completions", json={"model": "policy-v0", "prompt": PROMPT, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 404, r.text
+
+
+# ------------------------------------------------------------------------------------------------ evaluation routes
+
+
+def test_responses_and_messages_equal_vllms_chat_handler(tito: ServerProcess) -> None:
+    """/v1/responses and /v1/messages (vLLM's own handlers): for a greedy request, the same text and token counts as
+    vLLM's chat completions handler on the same messages; count_tokens equals the chat template's tokenization."""
+    msgs = [{"role": "user", "content": "Hello there, how are you?"}]
+    with httpx.Client(base_url=tito.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        chat = c.post("/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 10,
+                                                    "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        want = chat.json()["choices"][0]["message"]["content"]
+        usage = chat.json()["usage"]
+        ids = c.post("/tokenize", json={"model": model, "messages": msgs, "add_generation_prompt": True}).json()
+
+        r = c.post("/v1/responses", json={"model": model, "input": msgs, "max_output_tokens": 10, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+        text = "".join(p["text"] for item in body["output"] if item["type"] == "message" for p in item["content"])
+        assert text == want
+        assert body["usage"]["input_tokens"] == usage["prompt_tokens"] == ids["count"]
+        assert body["usage"]["output_tokens"] == usage["completion_tokens"]
+
+        r = c.post("/v1/messages", json={"model": model, "messages": msgs, "max_tokens": 10, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["type"] == "message" and body["role"] == "assistant"
+        assert "".join(b["text"] for b in body["content"] if b["type"] == "text") == want
+        assert body["usage"]["input_tokens"] == usage["prompt_tokens"]
+        assert body["usage"]["output_tokens"] == usage["completion_tokens"]
+
+        r = c.post("/v1/messages/count_tokens", json={"model": model, "messages": msgs})
+        assert r.status_code == 200 and r.json()["input_tokens"] == ids["count"], r.text
+
+        r = c.post("/v1/messages", json={"model": model, "messages": msgs})  # max_tokens is required
+        assert r.status_code == 400, r.text
+        r = c.post("/v1/responses", json={"model": model, "input": msgs, "max_output_tokens": 10**9})
+        assert r.status_code == 400, r.text
+        assert c.get("/health").json()["inflight"] == 0

@@ -27,6 +27,7 @@ from common import REPORT, emit, step
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 LONG_PROMPT = [7, 7, 3, 9]
+LONG_N = 600
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ def main() -> None:
     import torch.distributed as dist
     from areal.api import ModelRequest, ParamSpec, WeightUpdateMeta
     from areal.api.alloc_mode import ModelAllocation
-    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NameResolveConfig
     from areal.api.workflow_api import RolloutWorkflow
     from areal.engine.core.distributed import init_custom_process_group
     from areal.engine.vllm_remote import RemotevLLMEngine
@@ -55,17 +56,21 @@ def main() -> None:
 
     lora = plan["mode"] == "lora"
     exp, trial = "tito", f"t{os.getpid()}"
+    # AReaL's trainer posts "checkpoint saved" through name_resolve; the disk update waits for it.
+    name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=os.path.join(plan["fileroot"], "nr")))
     config = InferenceEngineConfig(experiment_name=exp, trial_name=trial, backend="vllm:d1", request_timeout=300,
                                    setup_timeout=60, request_retries=3, pause_grace_period=0.5,
-                                   max_concurrent_rollouts=4, consumer_batch_size=2, use_lora=lora,
+                                   max_concurrent_rollouts=4, consumer_batch_size=2, max_head_offpolicyness=100,
+                                   use_lora=lora,
                                    lora_name=plan.get("lora_name", ""))
     engine = RemotevLLMEngine(config)
     addr = url.removeprefix("http://")
     step("initialize", lambda: engine.initialize(addr=addr) and None)
 
-    def greedy(prompt: list[int], n: int) -> dict[str, Any]:
+    def greedy(prompt: list[int], n: int, ignore_eos: bool = False) -> dict[str, Any]:
         req = ModelRequest(input_ids=list(prompt),
-                           gconfig=GenerationHyperparameters(greedy=True, max_new_tokens=n, max_tokens=4096))
+                           gconfig=GenerationHyperparameters(greedy=True, max_new_tokens=n, max_tokens=4096,
+                                                             ignore_eos=ignore_eos))
         resp = asyncio.run(engine.agenerate(req))
         return {"tokens": list(resp.output_tokens), "logprobs": list(resp.output_logprobs),
                 "versions": list(resp.output_versions), "stop_reason": resp.stop_reason}
@@ -118,21 +123,23 @@ def main() -> None:
         # A long rollout, cut by pause_generation mid-way; new weights from disk; continue: AReaL resubmits it.
         def cut_rollout() -> dict[str, Any]:
             box: dict[str, Any] = {}
-            t = threading.Thread(target=lambda: box.update(greedy(LONG_PROMPT, 1500)))
+            t = threading.Thread(target=lambda: box.update(greedy(LONG_PROMPT, LONG_N, ignore_eos=True)))
             t.start()
             deadline = time.monotonic() + 60
             while inflight(url) < 1:
                 assert time.monotonic() < deadline, "the rollout never reached the server"
                 time.sleep(0.02)
-            time.sleep(0.3)
+            time.sleep(1.0)  # some tokens on the old weights first
             engine.pause_generation()
-            meta = WeightUpdateMeta(type="disk", path=plan["ckpts"][0], clear_checkpoint_after_load=False)
-            fut = engine.update_weights_from_disk(meta)
-            name_resolve.add(names.update_weights_from_disk(exp, trial, engine.get_version()), str(time.time()),
-                             keepalive_ttl=120, replace=True)
-            fut.result(timeout=300)
-            engine.set_version(1)
-            engine.continue_generation()
+            try:
+                meta = WeightUpdateMeta(type="disk", path=plan["ckpts"][0], clear_checkpoint_after_load=False)
+                fut = engine.update_weights_from_disk(meta)
+                name_resolve.add(names.update_weights_from_disk(exp, trial, engine.get_version()), str(time.time()),
+                                 keepalive_ttl=120, replace=True)
+                fut.result(timeout=300)
+                engine.set_version(1)
+            finally:
+                engine.continue_generation()
             t.join(300)
             assert not t.is_alive(), "the resubmitted rollout did not finish"
             return box
@@ -171,16 +178,19 @@ def main() -> None:
                                 "bias": "none"}
         meta.version = version
         engine.pause_generation()
-        size = (len(tensors) + buckets - 1) // buckets
-        for i in range(0, len(tensors), size):
-            part = tensors[i:i + size]
-            specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1]) for n, t in part]
-            fut = engine.update_weights_from_distributed(meta, specs)
-            for _, t in part:
-                dist.broadcast(t.contiguous(), src=0, group=groups[0])
-            fut.result(timeout=300)
-        engine.set_version(version)
-        engine.continue_generation()
+        try:
+            size = (len(tensors) + buckets - 1) // buckets
+            for i in range(0, len(tensors), size):
+                part = tensors[i:i + size]
+                specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split("torch.")[1])
+                         for n, t in part]
+                fut = engine.update_weights_from_distributed(meta, specs)
+                for _, t in part:
+                    dist.broadcast(t.contiguous(), src=0, group=groups[0])
+                fut.result(timeout=300)
+            engine.set_version(version)
+        finally:
+            engine.continue_generation()
 
     if lora:
         step("update_weights_from_distributed_lora", lambda: xccl(1, plan["ckpts"][1], 1))
