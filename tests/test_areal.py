@@ -194,24 +194,24 @@ def test_bad_input_is_refused_before_the_engine(server: ServerProcess, full: dic
         assert r.status_code == 200, r.text
 
 
-def test_unknown_tensor_and_wrong_shape_are_400_on_a_joined_group(server: ServerProcess) -> None:
-    """With a real group joined (rank 0 played here with torch's own store), announced tensors are checked against
-    the model before anything is received."""
+def test_joined_group_checks_announced_tensors_and_loads_only_when_complete(server: ServerProcess, ckpts: list[Path],
+                                                                             refs: list[Reference]) -> None:
+    """With a real group joined (rank 0 played here, its group built as AReaL builds it), announced tensors are
+    checked against the model before anything is received (400); a first bucket is only received (the model still
+    answers as before); the last one makes the update and the model answers as the new weights."""
+    import threading
+    from datetime import timedelta
+
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+
+    from app.engine.worker_areal import custom_group  # AReaL's init_custom_process_group, as the worker builds it
 
     port = free_port()
     with httpx.Client(base_url=server.url, timeout=120) as c:
-        import threading
-
         box: dict[str, Any] = {}
 
         def trainer() -> None:
-            store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=__import__("datetime").timedelta(
-                seconds=60)))
-            box["pg"], _ = _new_process_group_helper(2, 0, [], dist.Backend("gloo"), PrefixStore("g400", store),
-                                                     group_name="g400", timeout=__import__("datetime").timedelta(
-                                                         seconds=60))
+            box["pg"] = custom_group("gloo", "127.0.0.1", port, 0, 2, "g400", timedelta(seconds=60))
 
         t = threading.Thread(target=trainer)
         t.start()
@@ -229,9 +229,36 @@ def test_unknown_tensor_and_wrong_shape_are_400_on_a_joined_group(server: Server
         r = c.post("/areal_set_update_weight_meta", json={"names": ["model.norm.weight"], "dtypes": ["complex64"],
                                                           "shapes": [[3]], "group_name": "g400"})
         assert r.status_code == 400 and "dtype" in r.text, r.text
-        r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})
-        assert r.status_code == 200, r.text
+        before = generate(c)
+        tensors = sorted(load_file(str(ckpts[0] / "model.safetensors")).items())
+        half = len(tensors) // 2
+        for part, last in ((tensors[:half], False), (tensors[half:], True)):
+            r = c.post("/areal_set_update_weight_meta", json={"names": [n for n, _ in part],
+                                                              "dtypes": [str(t.dtype)[6:] for _, t in part],
+                                                              "shapes": [list(t.shape) for _, t in part],
+                                                              "group_name": "g400"})
+            assert r.status_code == 200, r.text
+            answer: dict[str, Any] = {}
+            call = threading.Thread(target=lambda a=answer: a.update(r=c.post("/areal_update_weights_xccl", json={})))
+            call.start()
+            for _, tensor in part:
+                opts = dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                box["pg"].broadcast([tensor.contiguous()], opts).wait(timedelta(seconds=60))
+            call.join(120)
+            r = answer["r"]
+            assert r.status_code == 200 and r.json()["noop"] is (not last), r.text
+            if not last:
+                assert generate(c) == before  # received, not loaded
+        assert generate(c) == refs[1].greedy(PROMPT, 8)[0]
         dist.destroy_process_group(box["pg"])
+
+
+def generate(c: httpx.Client) -> list[int]:
+    r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 8,
+                                                                                         "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
 
 
 # ------------------------------------------------------------------------------------------------ LoRA

@@ -70,7 +70,8 @@ def main() -> None:
     def greedy(prompt: list[int], n: int, ignore_eos: bool = False) -> dict[str, Any]:
         req = ModelRequest(input_ids=list(prompt),
                            gconfig=GenerationHyperparameters(greedy=True, max_new_tokens=n, max_tokens=4096,
-                                                             ignore_eos=ignore_eos))
+                                                             ignore_eos=ignore_eos,
+                                                             lora_name=plan.get("lora_name", "")))
         resp = asyncio.run(engine.agenerate(req))
         return {"tokens": list(resp.output_tokens), "logprobs": list(resp.output_logprobs),
                 "versions": list(resp.output_versions), "stop_reason": resp.stop_reason}
