@@ -81,13 +81,6 @@ def perturbed(src: Path, dst: Path, seed: int) -> Path:
     return dst
 
 
-def greedy_ref(ref: Reference, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation with transformers' KV cache (long continuations)."""
-    out = ref.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return [int(t) for t in out[0, len(prompt):]]
-
-
 # ------------------------------------------------------------------------------------------------ full weights
 
 
@@ -141,9 +134,9 @@ def test_pause_cuts_the_rollout_and_every_token_has_its_versions_weights(full: d
     cut = versions.index(1)
     assert 0 < cut and set(versions[:cut]) == {0} and set(versions[cut:]) == {1}, "the rollout was not cut"
     n0 = min(cut, 200)
-    assert tokens[:n0] == greedy_ref(refs[0], LONG_PROMPT, n0)
+    assert tokens[:n0] == refs[0].greedy(LONG_PROMPT, n0)[0]  # EOS does not stop it: AReaL sent ignore_eos
     n1 = min(len(tokens) - cut, 32)
-    assert tokens[cut:cut + n1] == greedy_ref(refs[1], LONG_PROMPT + tokens[:cut], n1)
+    assert tokens[cut:cut + n1] == refs[1].greedy(LONG_PROMPT + tokens[:cut], n1)[0]
 
 
 def test_disk_update_equals_a_fresh_engine_on_the_new_weights(full: dict[str, Any], refs: list[Reference]) -> None:

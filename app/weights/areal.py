@@ -241,13 +241,13 @@ class ArealSync:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        old = self.lora_dirs.pop(name, None)
+        old = self.lora_dirs.get(name)
         self.lora_dirs[name] = directory
-        # Directories of versions no longer served (replaced, or past --lora-keep-versions) go.
-        for gone in [n for n in self.lora_dirs if n not in self.adapters.entries] + ([name] if old else []):
-            path = old if gone == name else self.lora_dirs.pop(gone)
-            if path is not None and path != directory:
-                shutil.rmtree(path, ignore_errors=True)
+        if old is not None and old != directory:  # a resend of the same version replaced it
+            shutil.rmtree(old, ignore_errors=True)
+        # Directories of versions no longer served (past --lora-keep-versions, or unloaded) go.
+        for gone in [n for n in self.lora_dirs if n not in self.adapters.entries]:
+            shutil.rmtree(self.lora_dirs.pop(gone), ignore_errors=True)
         return entry
 
     def info(self) -> dict[str, Any]:
