@@ -386,19 +386,8 @@ class Engine:
     async def close_broadcaster(self) -> list[Any]:
         return await self.collective_rpc("tito_close_broadcaster")
 
-    # AReaL's weight sync (app/engine/worker_areal.py; orchestration: app/weights/areal.py)
-
-    async def areal_join(self, **kw: Any) -> list[Any]:
-        return await self.collective_rpc("tito_areal_join", kwargs=kw)
-
-    async def areal_receive(self, **kw: Any) -> list[Any]:
-        return await self.collective_rpc("tito_areal_receive", kwargs=kw)
-
-    async def areal_receive_lora(self, **kw: Any) -> list[Any]:
-        return await self.collective_rpc("tito_areal_receive_lora", kwargs=kw)
-
-    async def areal_discard(self) -> list[Any]:
-        return await self.collective_rpc("tito_areal_discard")
+    async def areal(self, step: str, **kw: Any) -> list[Any]:  # AReaL's sync: app/engine/worker_areal.py
+        return await self.collective_rpc(f"tito_areal_{step}", kwargs=kw)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -466,10 +455,10 @@ class Engine:
         """vLLM's completion/chat/tokenize handlers on this engine, gated by tito (``OpenAILayer``); ``loras``: the
         adapters by name (their ``lora_request`` handles). Built once, on first use (vLLM's serving modules take
         seconds to import)."""
-        from app.engine.openai_layer import OpenAILayer
+        from app.engine.openai_eval import EvalLayer  # OpenAILayer + the evaluation harnesses' routes
 
         names = list(dict.fromkeys([self.facts.name, self.facts.path]))
-        return OpenAILayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
+        return EvalLayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
 
     def vllm_server_info(self, config_format: str) -> dict[str, Any]:
         """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""

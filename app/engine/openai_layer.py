@@ -264,8 +264,6 @@ class OpenAILayer:
         self.tokenization = ServingTokenization(self.models, renderer, chat_template=None,
                                                 chat_template_content_format="auto")
         self.render = ServingRender(self.models, renderer)
-        self._client, self._renderer = client, renderer
-        self._eval: dict[str, Any] = {}  # vLLM's Responses and Anthropic Messages handlers, built on first use
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
@@ -318,96 +316,6 @@ class OpenAILayer:
         call = self._call(gate, "chatcmpl-", raw, req.request_id)
         assert self.chat is not None
         return await self._run(call, self.chat.create_chat_completion(req, raw), req.n or 1, chat=True)
-
-    # ------------------------------------------------------------------ evaluation harnesses' routes
-
-    def _eval_handler(self, kind: str) -> Any:
-        """vLLM's ``OpenAIServingResponses`` / ``AnthropicServingMessages``, built as vLLM's server builds them."""
-        if kind not in self._eval:
-            common: dict[str, Any] = dict(online_renderer=self._renderer, request_logger=None, chat_template=None,
-                                          chat_template_content_format="auto", enable_prompt_tokens_details=True)
-            if kind == "responses":
-                from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-                from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
-
-                handler: Any = OpenAIServingResponses(self._client, self.models, **common)
-                self._types["responses"] = TypeAdapter(ResponsesRequest)
-            else:
-                from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-                from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
-
-                handler = AnthropicServingMessages(self._client, self.models, "assistant", **common)
-                self._types["messages"] = TypeAdapter(AnthropicMessagesRequest)
-                self._types["count_tokens"] = TypeAdapter(AnthropicCountTokensRequest)
-            self._eval[kind] = handler
-        return self._eval[kind]
-
-    async def responses(self, raw: Any, body: bytes, gate: Gate) -> Answer:
-        """``/v1/responses`` (OpenAI's Responses API) through vLLM's handler."""
-        self._need_tokenizer("/v1/responses (the chat template)")
-        handler = self._eval_handler("responses")
-        req = self._parse("responses", body)
-        call = self._call(gate, "", raw, req.request_id)
-        return await self._run_eval(call, handler.create_responses(req, raw), "responses")
-
-    async def messages(self, raw: Any, body: bytes, gate: Gate) -> Answer:
-        """``/v1/messages`` (Anthropic's Messages API) through vLLM's handler."""
-        self._need_tokenizer("/v1/messages (the chat template)")
-        handler = self._eval_handler("messages")
-        req = self._parse("messages", body)
-        call = self._call(gate, "msg-", raw, _uuid())
-        return await self._run_eval(call, handler.create_messages(req, raw), "messages")
-
-    async def count_tokens(self, raw: Any, body: bytes) -> Answer:
-        self._need_tokenizer("/v1/messages/count_tokens (the chat template)")
-        handler = self._eval_handler("messages")
-        req = self._parse("count_tokens", body)
-        return self._eval_answer(await self._guard(handler.count_tokens(req, raw)), "messages")
-
-    async def _run_eval(self, call: _Call, aw: Any, kind: str) -> Answer:
-        token = _CALL.set(call)
-        try:
-            result = await self._guard(aw)
-        except BaseException:
-            call.release()
-            raise
-        finally:
-            _CALL.reset(token)
-        ids = [s.engine_id for s in call.slots]
-        if hasattr(result, "model_dump"):
-            call.release()
-            answer = self._eval_answer(result, kind)
-            answer.request_id, answer.engine_ids = call.client_id, ids
-            return answer
-        return Answer(200, stream=self._eval_events(call, result, kind), request_id=call.client_id, engine_ids=ids,
-                      close=call.release)
-
-    @staticmethod
-    def _eval_answer(result: Any, kind: str) -> Answer:
-        """The body vLLM's own route sends: Responses dumped by alias, Anthropic's without nulls and its errors in
-        Anthropic's error shape."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        if isinstance(result, ErrorResponse):
-            if kind == "messages":
-                return Answer(result.error.code, {"type": "error", "error": {"type": result.error.type,
-                                                                             "message": result.error.message}})
-            return Answer(result.error.code, result.model_dump(mode="json", by_alias=True))
-        if kind == "messages":
-            return Answer(200, result.model_dump(exclude_none=True))
-        return Answer(200, result.model_dump(mode="json", by_alias=True))
-
-    @staticmethod
-    async def _eval_events(call: _Call, events: AsyncIterator[Any], kind: str) -> AsyncIterator[bytes]:
-        try:
-            async for ev in events:
-                if isinstance(ev, str):
-                    yield ev.encode()
-                else:  # Responses events, in the SSE form vLLM's route gives them
-                    yield (f"event: {getattr(ev, 'type', 'unknown')}\ndata: "
-                           f"{ev.model_dump_json(indent=None, by_alias=True)}\n\n").encode()
-        finally:
-            call.release()
 
     async def render_chat(self, raw: Any, body: bytes) -> Answer:
         self._need_tokenizer("rendering a chat (the chat template)")
@@ -487,17 +395,21 @@ class OpenAILayer:
             return Answer(result.error.code, result.model_dump())
         return Answer(200, result.model_dump())
 
-    async def _run(self, call: _Call, aw: Any, n: int, *, chat: bool) -> Answer:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
+    async def gated(self, call: _Call, aw: Any) -> Any:
+        """Await vLLM's handler with ``call`` as the context its ``generate()`` calls are gated by."""
         token = _CALL.set(call)
         try:
-            result = await self._guard(aw)
+            return await self._guard(aw)
         except BaseException:
             call.release()
             raise
         finally:
             _CALL.reset(token)
+
+    async def _run(self, call: _Call, aw: Any, n: int, *, chat: bool) -> Answer:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        result = await self.gated(call, aw)
         ids = [s.engine_id for s in call.slots]
         if isinstance(result, ErrorResponse):
             call.release()
@@ -541,12 +453,6 @@ class OpenAILayer:
             call.release()
 
 
-def _uuid() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
-
-
 _CONFIG_ADAPTER: TypeAdapter[Any] | None = None
 
 
@@ -583,15 +489,3 @@ def vllm_server_info(llm: AsyncLLM, config_format: str) -> dict[str, Any]:
             if value is not None:
                 env[key] = normalize_value(value)
     return {"vllm_config": config, "vllm_env": env}
-
-
-def request_schemas() -> dict[str, Any]:
-    """JSON schemas of vLLM's request models for the routes of routers/openai.py (tito's /openapi.json)."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-
-    models: dict[str, Any] = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
-                              "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest}
-    return {name: TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
-            for name, tp in models.items()}

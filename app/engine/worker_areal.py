@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from app.engine.rendezvous import wait_for_store
 from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
 
 log = logging.getLogger("tito.worker")
@@ -75,8 +76,6 @@ class ArealWorker:
 
     def tito_areal_join(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                         group_name: str, timeout: float) -> dict[str, Any]:
-        from app.engine.worker import wait_for_store
-
         pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         per_engine = int(pc.world_size)
         rank = rank_offset + int(pc.rank) % per_engine
@@ -147,13 +146,6 @@ class ArealWorker:
         kept = self._tito_reload(iter(items))  # type: ignore[attr-defined]
         return {"pid": os.getpid(), "applied": True, "bytes": nbytes, "tensors": len(items),
                 "seconds": time.perf_counter() - t0, **kept}
-
-    def tito_areal_discard(self) -> int:
-        """Forget tensors buffered by an update that will not complete."""
-        self._areal_groups()
-        n = len(self._tito_areal_buffer)
-        self._tito_areal_buffer.clear()
-        return n
 
     def tito_areal_receive_lora(self, group_name: str, names: list[str], dtypes: list[str],
                                 shapes: list[list[int]], directory: str, config: dict[str, Any],

@@ -86,7 +86,7 @@ class ArealSync:
                                 "finished.")
         self.groups.pop(group_name, None)
         self.pending.clear()
-        results = await self._call(self.engine.areal_join(host=host, port=port, rank_offset=rank_offset,
+        results = await self._call(self.engine.areal("join", host=host, port=port, rank_offset=rank_offset,
                                                           world_size=world_size, backend=backend,
                                                           group_name=group_name, timeout=GROUP_TIMEOUT),
                                    "joining AReaL's weight group")
@@ -182,7 +182,7 @@ class ArealSync:
 
         async def receive() -> list[Any]:
             try:
-                return await self.engine.areal_receive(**kw)
+                return await self.engine.areal("receive", **kw)
             except BaseException:
                 self.pending.clear()
                 self.groups.pop(meta.group_name, None)  # the workers dropped it
@@ -229,7 +229,7 @@ class ArealSync:
                   "base_model_name_or_path": meta.lora.get("base_model_name")}
         try:
             try:
-                await self._call(self.engine.areal_receive_lora(group_name=meta.group_name, names=meta.names,
+                await self._call(self.engine.areal("receive_lora", group_name=meta.group_name, names=meta.names,
                                                                 dtypes=meta.dtypes, shapes=meta.shapes,
                                                                 directory=str(directory), config=config,
                                                                 timeout=GROUP_TIMEOUT),
