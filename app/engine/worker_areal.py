@@ -83,6 +83,7 @@ class ArealWorker:
             raise ValueError(f"{CLIENT_ERROR}rank {rank} (rank_offset {rank_offset} + worker {rank - rank_offset}) "
                              f"does not fit world_size {world_size} (rank 0 is the trainer).")
         groups = self._areal_groups()
+        self._tito_areal_buffer.clear()  # a new group starts a new update
         old = groups.pop(group_name, None)
         if old is not None:
             _drop_group(old.pg)
@@ -128,18 +129,23 @@ class ArealWorker:
         return out
 
     def tito_areal_receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                           expected: list[str], timeout: float | None = None) -> dict[str, Any]:
-        """One bucket of a full update. Once every name in ``expected`` has arrived (this bucket or earlier ones),
-        the model is reloaded in place with all of them; until then nothing touches the model."""
+                           expected: list[str], apply: bool, timeout: float | None = None) -> dict[str, Any]:
+        """One bucket of a full update. With ``apply`` (the server's word that this is the last bucket) every name in
+        ``expected`` must have arrived (this bucket or earlier ones) and the model is reloaded in place with all of
+        them; until then nothing touches the model."""
         t0 = time.perf_counter()
         self._areal_groups()
         received = self._areal_recv(group_name, names, dtypes, shapes, timeout)
         buf = self._tito_areal_buffer
         buf.update(received)
         nbytes = sum(t.numel() * t.element_size() for _, t in received)
+        if not apply:
+            return {"pid": os.getpid(), "applied": False, "buffered": len(buf), "bytes": nbytes}
         missing = [n for n in expected if n not in buf]
         if missing:
-            return {"pid": os.getpid(), "applied": False, "buffered": len(buf), "bytes": nbytes}
+            buf.clear()
+            raise ValueError(f"{UNTOUCHED}{CLIENT_ERROR}the update is missing {len(missing)} tensor(s) of the model: "
+                             f"{missing[:8]}.")
         items = [(n, buf[n]) for n in expected if not n.endswith(BUFFER_SUFFIXES)]
         buf.clear()
         self.tito_delta_reset()  # type: ignore[attr-defined]  # the staged-delta copy mirrors the old weights

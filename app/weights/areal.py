@@ -178,7 +178,7 @@ class ArealSync:
         expected = [n for n in await mgr.expected() if not is_buffer(n)]
         complete = set(expected) <= self.pending | set(meta.names)
         kw = dict(group_name=meta.group_name, names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes,
-                  expected=expected, timeout=GROUP_TIMEOUT)
+                  expected=expected, apply=complete, timeout=GROUP_TIMEOUT)
 
         async def receive() -> list[Any]:
             try:
