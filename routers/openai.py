@@ -80,8 +80,7 @@ async def _generate(request: Request, state: AppState, kind: str) -> Response:
     state.admit()
     _dp_rank(request, state.facts.data_parallel_size)  # vLLM ignores a bad header; tito answers 400
     layer = await state.openai_layer()
-    run = {"completion": layer.completions, "chat": layer.chat_completions, "responses": layer.responses,
-           "messages": layer.messages}[kind]
+    run = getattr(layer, {"completion": "completions", "chat": "chat_completions"}.get(kind, kind))
     answer = await _unless_disconnected(request, state, run(request, body, _gate(request, state)))
     if answer.stream is not None:
         return _Sse(answer)
