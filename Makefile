@@ -13,7 +13,7 @@ BENCH_ARGS  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve test lint unit bench install model clean help trainers trainers-bg
+.PHONY: serve test lint unit bench install model clean help trainers trainers-bg areal areal-bg
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
@@ -73,6 +73,33 @@ trainers-bg:
 	  ( $(MAKE) --no-print-directory trainers; echo $$? > $(TRAINERS_BUILD).rc ) > $(TRAINERS_BUILD) 2>&1 & \
 	  echo $$! > $(TRAINERS_BUILD).pid; echo "building SkyRL's venv in the background: $(TRAINERS_BUILD)"; fi
 
+# AReaL 1.0.4's RemotevLLMEngine, for tests/test_areal.py: a venv of its own (AReaL's requirements list ~90 packages,
+# ray, litellm and CUDA torch among them). Python 3.11, so torch is the CPU wheel; the pinned list is what its import
+# really needs, installed with --no-deps. Same stamp and background-build scheme as SkyRL's.
+AREAL_VENV   ?= $(HOME)/.cache/tito/venv-areal
+AREAL_PYTHON ?= $(PYTHON)
+AREAL_REQS   := tests/trainer_clients/areal-requirements.txt
+AREAL_STAMP  := $(AREAL_VENV)/.installed-$(firstword $(shell sha256sum $(AREAL_REQS)))
+export TITO_AREAL_VENV := $(abspath $(AREAL_VENV))
+
+$(AREAL_STAMP):
+	mkdir -p $(dir $(AREAL_VENV))
+	$(AREAL_PYTHON) -m venv --clear $(AREAL_VENV)
+	$(AREAL_VENV)/bin/pip install -q --no-deps -r $(AREAL_REQS)
+	$(AREAL_VENV)/bin/python -c "import torch, areal.engine.vllm_remote, areal.engine.core.distributed"
+	touch $(AREAL_VENV)/.installed $@
+
+areal: $(AREAL_STAMP)
+
+AREAL_BUILD := $(TITO_AREAL_VENV).build.log
+export TITO_AREAL_BUILD := $(AREAL_BUILD)
+
+areal-bg:
+	@if [ -f $(AREAL_STAMP) ]; then rm -f $(AREAL_BUILD) $(AREAL_BUILD).rc $(AREAL_BUILD).pid; else \
+	  mkdir -p $(dir $(AREAL_VENV)); rm -f $(AREAL_BUILD).rc; \
+	  ( $(MAKE) --no-print-directory areal; echo $$? > $(AREAL_BUILD).rc ) > $(AREAL_BUILD) 2>&1 & \
+	  echo $$! > $(AREAL_BUILD).pid; echo "building AReaL's venv in the background: $(AREAL_BUILD)"; fi
+
 install: $(VENV)/.installed-cpu
 
 $(MODEL)/config.json: | $(VENV)/.installed-cpu
@@ -94,7 +121,7 @@ lint: $(VENV)/.installed-test
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
-test: trainers-bg $(VENV)/.installed-test $(MODEL)/config.json lint
+test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL)/config.json lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean

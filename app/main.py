@@ -252,7 +252,7 @@ def _add_schemas(app: FastAPI) -> None:
             return app.openapi_schema
         schema = original()
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
-        from app.engine.openai_layer import request_schemas  # vLLM's request models of routers/openai.py
+        from app.engine.openai_eval import request_schemas  # vLLM's request models of routers/openai.py
 
         models = {GenerateRequest.__name__: GenerateRequest.model_json_schema(
             ref_template="#/components/schemas/{model}"), **request_schemas()}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from routers import control, generate, health, info, lifecycle, lora, metrics, openai, staging, weights
+from routers import areal, control, generate, health, info, lifecycle, lora, metrics, openai, staging, weights
 
 ALL: list[APIRouter] = [generate.router, health.router, info.router, metrics.router, lora.router, control.router,
-                         weights.router, staging.router, lifecycle.router, openai.router]
+                         weights.router, staging.router, lifecycle.router, openai.router,
+                         areal.router]

@@ -80,7 +80,7 @@ async def _generate(request: Request, state: AppState, kind: str) -> Response:
     # vLLM ignores a bad header; tito answers 400
     data_parallel_rank(request.headers.get(DP_RANK_HEADER), state.facts.data_parallel_size)
     layer = await state.openai_layer()
-    run = layer.completions if kind == "completion" else layer.chat_completions
+    run = getattr(layer, {"completion": "completions", "chat": "chat_completions"}.get(kind, kind))
     answer = await _unless_disconnected(request, state, run(request, body, _gate(request, state)))
     if answer.stream is not None:
         return _Sse(answer)
@@ -146,3 +146,23 @@ async def detokenize(request: Request, state: AppState = Depends(get_state)) -> 
     body = await _body(request, state)
     state.check_engine()
     return _json(await (await state.openai_layer()).detokenize(request, body, state.limits))
+
+
+@router.post("/v1/responses", responses=ERROR_RESPONSES,
+             summary="vLLM's Responses API (needs the model's tokenizer and chat template)")
+async def responses(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "responses")
+
+
+@router.post("/v1/messages", responses=ERROR_RESPONSES,
+             summary="vLLM's Anthropic Messages API (needs the model's tokenizer and chat template)")
+async def messages(request: Request, state: AppState = Depends(get_state)) -> Response:
+    return await _generate(request, state, "messages")
+
+
+@router.post("/v1/messages/count_tokens", responses=ERROR_RESPONSES,
+             summary="vLLM's Anthropic count_tokens: the prompt's length under the chat template")
+async def count_tokens(request: Request, state: AppState = Depends(get_state)) -> Response:
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await (await state.openai_layer()).count_tokens(request, body))

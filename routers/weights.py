@@ -41,7 +41,7 @@ class InitBroadcaster(BaseModel):
     inference_world_size: int = Field(1, ge=1)
     timeout: float = Field(_DEFAULT_BCAST_TIMEOUT, gt=0)
     quantize_in_weight_transfer: bool = False
-    session_id: str | None = None  # NIXL only; accepted and ignored, as Prime-RL's NCCL worker does
+    session_id: str | None = None  # NIXL/ModelExpress only: answered 501
     backend: str | None = Field(default=None, description="nccl or gloo; default nccl on GPU, gloo on CPU.")
 
 
@@ -103,6 +103,11 @@ async def reload_weights(request: Request, state: AppState = Depends(get_state))
              summary="Join the trainer's weight-broadcast group (Prime-RL NCCL protocol; gloo on CPU)")
 async def init_broadcaster(request: Request, state: AppState = Depends(get_state)) -> Response:
     req: InitBroadcaster = _parse(InitBroadcaster, await _json_body(request))
+    if req.session_id is not None:
+        # Prime-RL's NIXL/ModelExpress transfer: a gloo/NCCL join would only wait for a rendezvous that never comes.
+        raise ApiError(501, "session_id (Prime-RL's NIXL/ModelExpress weight transfer) is not supported; tito joins "
+                            "NCCL broadcast groups (gloo on CPU): send /init_broadcaster without session_id, or "
+                            "update from disk with /update_weights {\"weight_dir\": ...}.", param="session_id")
     state.check_engine()
     if req.quantize_in_weight_transfer:
         raise ApiError(501, "quantize_in_weight_transfer (kernel-format FP8 names) is not supported; send HF "

@@ -33,9 +33,10 @@ GENERATE_EXAMPLES = 200
 # vLLM's completions route (its own handler, behind tito's checks): prompt ids folded into the vocabulary too.
 FOLDED = {"/v1/completions": 60}
 # Never fuzzed with the admin key: the body names a host the server's workers would connect to.
-NETWORK_ROUTES = {"/init_broadcaster"}
+NETWORK_ROUTES = {"/init_broadcaster", "/areal_init_weights_update_group"}
 # State the admin pass may change; put back after every such call so later cases (and generate) are served.
-RESTORE = {"/pause": ("POST", "/resume"), "/drain": ("DELETE", "/drain")}
+RESTORE = {"/pause": ("POST", "/resume"), "/areal_pause_generation": ("POST", "/resume"),
+           "/drain": ("DELETE", "/drain")}
 # The only 5xx answers that are not faults, each deliberate and named by its message:
 # 501 for vLLM's GPU weight-transfer engine on a CPU server; 504 when a timeout the *request* set has elapsed
 # (e.g. /pause?timeout=1e-300); the operation continues on the server.

@@ -73,6 +73,9 @@ class Settings:
     enable_return_routed_experts: bool = flag(
         False, "Return each token's routed MoE experts (vLLM's --enable-return-routed-experts; Prime-RL's router "
         "replay reads them from `routed_experts`). Needs vLLM's GPU model runner: refused at start on CPU.")
+    lora_keep_versions: int = flag(
+        2, "Versioned LoRA names <name>-v<N> (AReaL loads one per step and never unloads): keep the newest N "
+        "versions of each name, unload older ones (freed in the engine once no request is in flight); 0 keeps all.")
     stream_interval: int = flag(1, "Tokens per streamed event (vLLM's stream_interval): 1 sends every engine step's "
                                 "tokens at once; N > 1 fewer, larger events (the first and last still at once).")
     skip_tokenizer_init: bool | None = flag(

@@ -371,6 +371,9 @@ class Engine:
     async def close_broadcaster(self) -> list[Any]:
         return await self.collective_rpc("tito_close_broadcaster")
 
+    async def areal(self, step: str, **kw: Any) -> list[Any]:  # AReaL's sync: app/engine/worker_areal.py
+        return await self.collective_rpc(f"tito_areal_{step}", kwargs=kw)
+
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
@@ -437,10 +440,10 @@ class Engine:
         """vLLM's completion/chat/tokenize handlers on this engine, gated by tito (``OpenAILayer``); ``loras``: the
         adapters by name (their ``lora_request`` handles). Built once, on first use (vLLM's serving modules take
         seconds to import)."""
-        from app.engine.openai_layer import OpenAILayer
+        from app.engine.openai_eval import EvalLayer  # OpenAILayer + the evaluation harnesses' routes
 
         names = list(dict.fromkeys([self.facts.name, self.facts.path]))
-        return OpenAILayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
+        return EvalLayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
 
     def vllm_server_info(self, config_format: str) -> dict[str, Any]:
         """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""

@@ -331,17 +331,21 @@ class OpenAILayer:
             return Answer(result.error.code, result.model_dump())
         return Answer(200, result.model_dump())
 
-    async def _run(self, call: _Call, aw: Any, n: int, *, chat: bool) -> Answer:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
+    async def gated(self, call: _Call, aw: Any) -> Any:
+        """Await vLLM's handler with ``call`` as the context its ``generate()`` calls are gated by."""
         token = _CALL.set(call)
         try:
-            result = await self._guard(aw)
+            return await self._guard(aw)
         except BaseException:
             call.release()
             raise
         finally:
             _CALL.reset(token)
+
+    async def _run(self, call: _Call, aw: Any, n: int, *, chat: bool) -> Answer:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        result = await self.gated(call, aw)
         ids = [s.engine_id for s in call.slots]
         if isinstance(result, ErrorResponse):
             call.release()
@@ -385,13 +389,3 @@ class OpenAILayer:
             call.release()
 
 
-def request_schemas() -> dict[str, Any]:
-    """JSON schemas of vLLM's request models for the routes of routers/openai.py (tito's /openapi.json)."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-
-    models: dict[str, Any] = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
-                              "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest}
-    return {name: TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
-            for name, tp in models.items()}

@@ -16,6 +16,7 @@ from typing import Any
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
 from app.engine.vllm_patches import install as install_vllm_patches
 from app.engine.weight_markers import inject_fault
+from app.engine.worker_areal import ArealWorker
 from app.engine.worker_broadcast import BroadcastWorker
 from app.engine.worker_delta import DeltaWorker
 
@@ -26,9 +27,9 @@ log = logging.getLogger("tito.worker")
 install_vllm_patches()
 
 
-class TitoWorkerExtension(BroadcastWorker, DeltaWorker):
+class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
     """What vLLM mixes into its Worker: checkpoint reload here, the trainer's broadcast (worker_broadcast.py), staged
-    deltas (worker_delta.py)."""
+    deltas (worker_delta.py), AReaL's per-tensor updates (worker_areal.py)."""
 
     def liveness_probe(self) -> int:
         """A no-op round trip through every worker: proves the engine loop and workers answer."""

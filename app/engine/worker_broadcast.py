@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.engine.rendezvous import wait_for_store
 from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
 
 log = logging.getLogger("tito.worker")
@@ -72,7 +72,7 @@ class BroadcastWorker:
         try:
             if backend not in ("gloo", "nccl"):
                 raise ValueError(f"{CLIENT_ERROR}unknown broadcast backend {backend!r} (nccl or gloo).")
-            _wait_for_store(host, port, timeout)
+            wait_for_store(host, port, timeout)
             if backend == "gloo":
                 recv, close = _gloo_group(host, port, rank, world, td)
             else:
@@ -245,25 +245,6 @@ def _check_part(names: list[tuple[str, tuple[int, ...]]], expected: dict[str, li
         if want is not None and list(shape) != list(want):
             raise ValueError(f"{CLIENT_ERROR}shape mismatch for {n!r}: broadcast has {list(shape)}, the model "
                              f"expects {list(want)}.")
-
-
-def _wait_for_store(host: str, port: int, timeout: float) -> None:
-    """Wait, within ``timeout``, until the trainer's TCPStore accepts connections. torch's store client retries a
-    refused connect on its own clock (minutes), and on a local port nobody listens on, one of its retries can
-    connect the socket to itself (TCP self-connect: the ephemeral source port equals the target) and then wait for
-    an answer that never comes, holding the worker, and so the engine loop, long past the caller's timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))) as s:
-                if s.getsockname() != s.getpeername():
-                    return
-        except OSError:
-            pass
-        if left <= 0:
-            raise TimeoutError(f"nothing accepted a connection on {host}:{port}")
-        time.sleep(min(0.2, max(0.0, left)))
 
 
 def _gloo_group(host: str, port: int, rank: int, world: int,

@@ -18,6 +18,7 @@ from app.core.settings import Settings
 from app.engine.adapter import Engine, EngineDead, EngineRejected, ModelFacts
 from app.engine.sampling import Limits, min_tokens_refusal
 from app.server.control import ControlPlane
+from app.weights.areal import ArealSync
 from app.weights.lora import LoraEntry, LoraManager
 from app.weights.staging import StagingManager
 from app.weights.updates import WeightManager
@@ -95,6 +96,9 @@ class AppState:
         self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)
         # Staged versions (Prime-RL's stage/commit): a commit is an update, in the control plane's order.
         self.staging = StagingManager(self.engine, self.settings, self.weights, self.control.guard)
+        # AReaL's weight sync (xccl group, announced tensors, LoRA versions): app/weights/areal.py.
+        self.areal = ArealSync(self.engine, self.weights, self.adapters, self.control.guard,
+                               check_engine=self.check_engine)
 
     @property
     def weight_version(self) -> str:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.core.metrics import LORA_LOAD_SECONDS, LORA_LOADS
@@ -33,6 +35,8 @@ log = logging.getLogger("tito.lora")
 # Loading an adapter reads it from disk inside the EngineCore; generous, but never unbounded.
 ENGINE_TIMEOUT = 300.0
 LOCK_TIMEOUT = ENGINE_TIMEOUT + 30.0
+# AReaL's versioned adapter names (areal.api.io_struct.get_versioned_lora_name): "<name>-v<N>".
+_VERSIONED = re.compile(r"^(?P<base>.+)-v(?P<n>\d+)$")
 
 
 @dataclass
@@ -98,15 +102,16 @@ class LoraManager:
             return ApiError(400, f"the engine refused LoRA adapter '{name}': {e}", param="lora_path")
         return e
 
-    async def load(self, name: str, raw_path: str, *, inplace: bool) -> LoraEntry:
-        """Validate then load (or, with ``inplace``, reload under the same id) an adapter; returns its entry."""
+    async def load(self, name: str, raw_path: str, *, inplace: bool, trusted: bool = False) -> LoraEntry:
+        """Validate then load (or, with ``inplace``, reload under the same id) an adapter; returns its entry.
+        ``trusted``: a directory tito wrote itself (AReaL's broadcast adapters), outside the request allow-list."""
         facts, engine, settings = self.engine.facts, self.engine, self.settings
         self._require_lora()
         if not name or not raw_path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in (facts.name, facts.path):
             raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name")
-        path = resolve_allowed(settings, raw_path, "lora_path")
+        path = Path(raw_path).resolve() if trusted else resolve_allowed(settings, raw_path, "lora_path")
 
         async with self._exclusive():
             existing = self.entries.get(name)
@@ -150,7 +155,22 @@ class LoraManager:
             LORA_LOAD_SECONDS.observe(seconds)
             log.info("LoRA adapter %s '%s' (id %d, rank %d, %d modules) from %s in %.2fs", kind, name, int_id,
                      info.rank, info.modules, path, seconds)
+            await self._prune_versions(name)
             return entry
+
+    async def _prune_versions(self, name: str) -> None:
+        """``--lora-keep-versions k``: after ``<base>-v<N>`` loads, only the newest k versions of ``<base>`` stay
+        (AReaL loads a new version every step and never unloads one). Called under the lock."""
+        keep = self.settings.lora_keep_versions
+        m = _VERSIONED.match(name)
+        if not keep or m is None:
+            return
+        versions = sorted(((int(v.group("n")), e) for e in self.entries.values()
+                           if (v := _VERSIONED.match(e.name)) and v.group("base") == m.group("base")),
+                          key=lambda x: x[0], reverse=True)
+        for _, entry in versions[keep:]:
+            del self.entries[entry.name]
+            await self._drop(entry)
 
     async def unload(self, name: str) -> None:
         self._require_lora()
@@ -160,18 +180,23 @@ class LoraManager:
             entry = self.entries.pop(name, None)
             if entry is None:
                 raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
-            # From here no new request can select it. Free it in the engine only when nothing is in flight: an
-            # in-flight request still using it would make the engine re-read it from disk, which may be gone by
-            # then. Otherwise the engine's LRU cache (--max-cpu-loras) evicts it later; ids are never reused.
-            freed = False
-            if self._inflight() == 0:
-                try:
-                    freed = await wait_or_timeout(self.engine.remove_lora(entry.int_id), ENGINE_TIMEOUT)
-                except Exception as e:  # noqa: BLE001 - the adapter is unloaded from the registry either way
-                    log.warning("engine could not drop LoRA adapter '%s' (id %d): %s", name, entry.int_id, e)
-            LORA_LOADS.labels("unload", "ok").inc()
-            log.info("LoRA adapter unload '%s' (id %d)%s", name, entry.int_id,
-                     "" if freed else "; the engine's cache evicts it later")
+            await self._drop(entry)
+
+    async def _drop(self, entry: LoraEntry) -> None:
+        """An adapter just taken out of the registry; called under the lock."""
+        name = entry.name
+        # From here no new request can select it. Free it in the engine only when nothing is in flight: an
+        # in-flight request still using it would make the engine re-read it from disk, which may be gone by
+        # then. Otherwise the engine's LRU cache (--max-cpu-loras) evicts it later; ids are never reused.
+        freed = False
+        if self._inflight() == 0:
+            try:
+                freed = await wait_or_timeout(self.engine.remove_lora(entry.int_id), ENGINE_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - the adapter is unloaded from the registry either way
+                log.warning("engine could not drop LoRA adapter '%s' (id %d): %s", name, entry.int_id, e)
+        LORA_LOADS.labels("unload", "ok").inc()
+        log.info("LoRA adapter unload '%s' (id %d)%s", name, entry.int_id,
+                 "" if freed else "; the engine's cache evicts it later")
 
     def view(self, entry: LoraEntry) -> dict[str, object]:
         return {"lora_name": entry.name, "lora_int_id": entry.int_id, "lora_path": entry.path, "rank": entry.rank,

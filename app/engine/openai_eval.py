@@ -1,0 +1,115 @@
+"""The routes evaluation harnesses call on a vLLM server, through vLLM's own handlers behind tito's gate, as the
+completions and chat routes are (``OpenAILayer``): ``/v1/responses`` (OpenAI's Responses API) and ``/v1/messages``,
+``/v1/messages/count_tokens`` (Anthropic's Messages API). Their handlers are built on first use. Also the request
+schemas of every route of routers/openai.py, for tito's /openapi.json.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from app.engine.openai_layer import Answer, Gate, OpenAILayer
+
+
+class EvalLayer(OpenAILayer):
+    """``OpenAILayer`` plus vLLM's ``OpenAIServingResponses`` and ``AnthropicServingMessages``."""
+
+    _eval: dict[str, Any] | None = None
+
+    def _eval_handler(self, kind: str) -> Any:
+        """Built as vLLM's server builds them, on the gated client and tito's model registry."""
+        if self._eval is None:
+            self._eval = {}
+        if kind not in self._eval:
+            client, renderer = self.completion.engine_client, self.completion.online_renderer
+            common: dict[str, Any] = dict(online_renderer=renderer, request_logger=None, chat_template=None,
+                                          chat_template_content_format="auto", enable_prompt_tokens_details=True)
+            if kind == "responses":
+                from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+                from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+                handler: Any = OpenAIServingResponses(client, self.models, **common)
+                self._types["responses"] = TypeAdapter(ResponsesRequest)
+            else:
+                from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+                from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+                handler = AnthropicServingMessages(client, self.models, "assistant", **common)
+                self._types["messages"] = TypeAdapter(AnthropicMessagesRequest)
+                self._types["count_tokens"] = TypeAdapter(AnthropicCountTokensRequest)
+            self._eval[kind] = handler
+        return self._eval[kind]
+
+    async def responses(self, raw: Any, body: bytes, gate: Gate) -> Answer:
+        self._need_tokenizer("/v1/responses (the chat template)")
+        handler = self._eval_handler("responses")
+        req = self._parse("responses", body)
+        call = self._call(gate, "", raw, req.request_id)
+        return await self._run_eval(call, handler.create_responses(req, raw), "responses")
+
+    async def messages(self, raw: Any, body: bytes, gate: Gate) -> Answer:
+        self._need_tokenizer("/v1/messages (the chat template)")
+        handler = self._eval_handler("messages")
+        req = self._parse("messages", body)
+        call = self._call(gate, "msg-", raw, uuid.uuid4().hex)
+        return await self._run_eval(call, handler.create_messages(req, raw), "messages")
+
+    async def count_tokens(self, raw: Any, body: bytes) -> Answer:
+        self._need_tokenizer("/v1/messages/count_tokens (the chat template)")
+        handler = self._eval_handler("messages")
+        req = self._parse("count_tokens", body)
+        return eval_answer(await self._guard(handler.count_tokens(req, raw)), "messages")
+
+    async def _run_eval(self, call: Any, aw: Any, kind: str) -> Answer:
+        result = await self.gated(call, aw)
+        ids = [s.engine_id for s in call.slots]
+        if hasattr(result, "model_dump"):
+            call.release()
+            answer = eval_answer(result, kind)
+            answer.request_id, answer.engine_ids = call.client_id, ids
+            return answer
+        return Answer(200, stream=_events(call, result), request_id=call.client_id, engine_ids=ids,
+                      close=call.release)
+
+
+def eval_answer(result: Any, kind: str) -> Answer:
+    """The body vLLM's own route sends: Responses dumped by alias; Anthropic's without nulls, its errors in
+    Anthropic's error shape."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        if kind == "messages":
+            return Answer(result.error.code, {"type": "error", "error": {"type": result.error.type,
+                                                                         "message": result.error.message}})
+        return Answer(result.error.code, result.model_dump(mode="json", by_alias=True))
+    if kind == "messages":
+        return Answer(200, result.model_dump(exclude_none=True))
+    return Answer(200, result.model_dump(mode="json", by_alias=True))
+
+
+async def _events(call: Any, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    try:
+        async for ev in events:
+            if isinstance(ev, str):  # Anthropic's events come as SSE text
+                yield ev.encode()
+            else:  # Responses events, in the SSE form vLLM's route gives them
+                yield (f"event: {getattr(ev, 'type', 'unknown')}\ndata: "
+                       f"{ev.model_dump_json(indent=None, by_alias=True)}\n\n").encode()
+    finally:
+        call.release()
+
+
+def request_schemas() -> dict[str, Any]:
+    """JSON schemas of vLLM's request models for the routes of routers/openai.py (tito's /openapi.json)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    models: dict[str, Any] = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
+                              "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest}
+    return {name: TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
+            for name, tp in models.items()}
