@@ -24,6 +24,8 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import ServerProcess, free_port, restore_server
 from tests.reference import Reference
 
+pytestmark = pytest.mark.engine
+
 DRIVERS = Path(__file__).parent / "trainer_clients"
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]  # the driver's
 LONG_PROMPT = [7, 7, 3, 9]
