@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.engine
 
 # tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
-SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "routes", "vllm_config",
+SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "dynamo", "routes", "vllm_config",
             "vllm_env"}
 KEYS = {
     "server": {"name", "version", "vllm_version", "pid", "host", "port", "started_at", "started_at_unix", "uptime_s"},
@@ -74,6 +74,10 @@ def test_server_info_schema_and_values(client, tito):
     assert st["draining"] is False and st["paused"] is False
     assert st["weight_version"] == client.get("/weight_info").json()["weight_version"]
     assert st["loaded_adapters"] == []
+    assert info["dynamo"] is None  # no --dynamo-namespace: no child sidecar
+    # What a restart restores: the tests' state directory (XDG_STATE_HOME), nothing committed yet on this server.
+    rec = st["weight_record"]
+    assert rec["state_dir"] and rec["restore_error"] is None and rec["write_error"] is None
     # uptime moves
     deadline = time.monotonic() + 10
     while _info(client)["server"]["uptime_s"] <= srv["uptime_s"]:

@@ -32,7 +32,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from app.core.protocol import ApiError, GenerateRequest, bad_request
 from app.grpc.kv_events import CursorExpired, stream_batches
-from app.grpc.status import GrpcCall, fail
+from app.grpc.status import GrpcCall, abort_later, fail
 from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
 from app.server.requests import data_parallel_rank
 from app.server.server_info import server_info_body
@@ -216,10 +216,7 @@ class TitoEngineServicer(pb_grpc.VllmEngineServicer):
         finally:
             state.leave(engine_id)
             if not finished:
-                # Cancelled while writing: the engine generator is suspended, not cancelled; abort it now.
-                task = asyncio.ensure_future(state.engine.abort(engine_id))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                abort_later(state.engine.abort, engine_id, self._tasks)
         if err is not None:
             await fail(context, call, err)
         call.done(grpc.StatusCode.OK)

@@ -5,8 +5,10 @@ An ``ApiError`` keeps its message: a gRPC client reads the same words an HTTP cl
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
 
 import grpc
 
@@ -59,3 +61,11 @@ async def fail(context: grpc.aio.ServicerContext, call: GrpcCall, err: ApiError)
         log.error("gRPC %s failed: %s", call.method, err.message)
     await context.abort(code, err.message)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def abort_later(abort: Callable[[str], Awaitable[Any]], engine_id: str, tasks: set[asyncio.Task[Any]]) -> None:
+    """Abort ``engine_id`` in the background: a stream cancelled while suspended at a write leaves the engine's
+    generator suspended, not cancelled. ``tasks`` holds the task until it ends (asyncio keeps only weak references)."""
+    task = asyncio.ensure_future(abort(engine_id))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)

@@ -30,7 +30,7 @@ from app.engine.sampling import TOKEN_API, refuse_needs_tokenizer
 from app.grpc.detokenize import Detokenizer, TextStream
 from app.grpc.proto import vllm_inference_pb2 as pb
 from app.grpc.proto import vllm_inference_pb2_grpc as pb_grpc
-from app.grpc.status import GrpcCall, fail
+from app.grpc.status import GrpcCall, abort_later, fail
 from app.grpc.token_request import admit, refuse_media, refuse_text_prompt, refuse_truncation, sent, token_request
 from app.server.requests import data_parallel_rank
 from app.server.state import GENERATE_PREFIX, AppState
@@ -386,10 +386,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             state.leave(engine_id)
             if not finished or answer.stopped_by_string:
-                # Cancelled while suspended at a write: the engine generator is not cancelled; abort it now.
-                task = asyncio.ensure_future(state.engine.abort(engine_id))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                abort_later(state.engine.abort, engine_id, self._tasks)
         if err is not None:
             await fail(context, call, err)
         call.done(grpc.StatusCode.OK)
