@@ -235,6 +235,9 @@ class FakeEngine:
     async def close_broadcaster(self) -> list[Any]:
         return await self.collective_rpc("tito_close_broadcaster")
 
+    async def areal(self, step: str, **kw: Any) -> list[Any]:  # AReaL's sync steps, as the workers' RPCs
+        return await self.collective_rpc(f"tito_areal_{step}", kwargs=kw)
+
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init_weight_transfer_engine", init_info))
 
