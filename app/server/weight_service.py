@@ -16,21 +16,14 @@ from app.core.protocol import ApiError
 from app.engine.adapter import on_cpu
 from app.server.state import AppState
 from app.weights.paths import resolve_allowed
-from app.weights.updates import UpdateOutcome, derive_version, scan_checkpoint, validate, worker_error
+from app.weights.updates import UpdateOutcome, derive_version, scan_checkpoint, shielded_call, validate
 
 log = logging.getLogger("tito.weights")
 
 
 async def engine_call(state: AppState, aw: Any, what: str) -> Any:
     """An engine utility call shielded from request cancellation; failures become a clear answer."""
-    task = asyncio.ensure_future(aw)
-    try:
-        return await asyncio.shield(task)
-    except ApiError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        state.check_engine()
-        raise worker_error(e, what) from None
+    return await shielded_call(aw, what, state.check_engine)
 
 
 # ------------------------------------------------------------------------------------------ Prime-RL / from disk

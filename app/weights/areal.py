@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.protocol import ApiError
 from app.engine.worker_areal import DTYPES
-from app.weights.updates import UpdateOutcome, derive_version, is_buffer, worker_error
+from app.weights.updates import UpdateOutcome, derive_version, is_buffer, shielded_call, worker_error
 
 if TYPE_CHECKING:
     from app.engine.adapter import Engine
@@ -95,14 +95,7 @@ class ArealSync:
         return results
 
     async def _call(self, aw: Awaitable[Any], what: str) -> Any:
-        task = asyncio.ensure_future(aw)
-        try:
-            return await asyncio.shield(task)
-        except ApiError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            self._check_engine()
-            raise worker_error(e, what) from None
+        return await shielded_call(aw, what, self._check_engine)
 
     # ------------------------------------------------------------------ announced tensors
 

@@ -177,6 +177,19 @@ def worker_error(e: BaseException, what: str) -> ApiError:
     return ApiError(500, f"{what} failed: {msg}")
 
 
+async def shielded_call(aw: Awaitable[Any], what: str, check_engine: Callable[[], None]) -> Any:
+    """An engine call shielded from the request's cancellation (the workers finish what they started); a failure is
+    the dead engine's answer if it died, else ``worker_error``'s."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        check_engine()
+        raise worker_error(e, what) from None
+
+
 # ------------------------------------------------------------------------------------------------ orchestration
 
 
