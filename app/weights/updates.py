@@ -178,8 +178,7 @@ def worker_error(e: BaseException, what: str) -> ApiError:
 
 
 async def shielded_call(aw: Awaitable[Any], what: str, check_engine: Callable[[], None]) -> Any:
-    """An engine call shielded from the request's cancellation (the workers finish what they started); a failure is
-    the dead engine's answer if it died, else ``worker_error``'s."""
+    """An engine call shielded from cancellation (the workers finish what they started), failures mapped."""
     task = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(task)
