@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from app.engine.openai_layer import Answer, Gate, OpenAILayer
+from app.engine.openai_layer import Answer, Gate, OpenAILayer, in_call
 
 
 class EvalLayer(OpenAILayer):
@@ -26,8 +26,10 @@ class EvalLayer(OpenAILayer):
             self._eval = {}
         if kind not in self._eval:
             client, renderer = self.completion.engine_client, self.completion.online_renderer
+            # Without tito's cached-token counts (on the completions and chat routes): the usage vLLM's server
+            # sends by default, field for field.
             common: dict[str, Any] = dict(online_renderer=renderer, request_logger=None, chat_template=None,
-                                          chat_template_content_format="auto", enable_prompt_tokens_details=True)
+                                          chat_template_content_format="auto")
             if kind == "responses":
                 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
                 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -65,15 +67,29 @@ class EvalLayer(OpenAILayer):
         return eval_answer(await self._guard(handler.count_tokens(req, raw)), "messages")
 
     async def _run_eval(self, call: Any, aw: Any, kind: str) -> Answer:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
         result = await self.gated(call, aw)
-        ids = [s.engine_id for s in call.slots]
         if hasattr(result, "model_dump"):
             call.release()
             answer = eval_answer(result, kind)
-            answer.request_id, answer.engine_ids = call.client_id, ids
+            answer.request_id, answer.engine_ids = call.client_id, [s.engine_id for s in call.slots]
             return answer
-        return Answer(200, stream=_events(call, result), request_id=call.client_id, engine_ids=ids,
-                      close=call.release)
+        events = aiter(result)
+        head: list[Any] = []
+        # vLLM's Responses stream submits to the engine at its first engine step, not before it returns: read it up
+        # to there (its first token) in the call's context, so that tito's checks answer a 4xx before the 200.
+        while not call.slots:
+            try:
+                ev = await self.gated(call, anext(events))
+            except StopAsyncIteration:
+                break
+            if isinstance(ev, ErrorResponse):  # vLLM's error answer (``_guard``): refused, and no 200 sent yet
+                call.release()
+                return eval_answer(ev, kind)
+            head.append(ev)
+        return Answer(200, stream=_events(call, head, events), request_id=call.client_id,
+                      engine_ids=[s.engine_id for s in call.slots], close=call.release)
 
 
 def eval_answer(result: Any, kind: str) -> Answer:
@@ -91,16 +107,29 @@ def eval_answer(result: Any, kind: str) -> Answer:
     return Answer(200, result.model_dump(mode="json", by_alias=True))
 
 
-async def _events(call: Any, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+async def _events(call: Any, head: list[Any], events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """``head``, then the rest of ``events``, each step in the call's context (a Responses stream may still submit to
+    the engine, e.g. a turn after a tool call), in the SSE form vLLM's routes send."""
     try:
-        async for ev in events:
-            if isinstance(ev, str):  # Anthropic's events come as SSE text
-                yield ev.encode()
-            else:  # Responses events, in the SSE form vLLM's route gives them
-                yield (f"event: {getattr(ev, 'type', 'unknown')}\ndata: "
-                       f"{ev.model_dump_json(indent=None, by_alias=True)}\n\n").encode()
+        for ev in head:
+            yield _sse(ev)
+        while True:
+            with in_call(call):  # around each step only: between steps the context is the consumer's own
+                try:
+                    ev = await anext(events)
+                except StopAsyncIteration:
+                    return
+            yield _sse(ev)
     finally:
         call.release()
+
+
+def _sse(ev: Any) -> bytes:
+    if isinstance(ev, str):  # Anthropic's events come as SSE text
+        return ev.encode()
+    # Responses events, as vLLM's route frames them
+    data = ev.model_dump_json(indent=None, by_alias=True)
+    return f"event: {getattr(ev, 'type', 'unknown')}\ndata: {data}\n\n".encode()
 
 
 def request_schemas() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -105,6 +105,16 @@ class _Call:
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("tito_openai_call", default=None)
+
+
+@contextlib.contextmanager
+def in_call(call: _Call) -> Iterator[None]:
+    """``call`` as the context the ``generate()`` calls of vLLM's handler are gated by, while the block runs."""
+    token = _CALL.set(call)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
 
 
 class _GatedClient:
@@ -333,14 +343,12 @@ class OpenAILayer:
 
     async def gated(self, call: _Call, aw: Any) -> Any:
         """Await vLLM's handler with ``call`` as the context its ``generate()`` calls are gated by."""
-        token = _CALL.set(call)
-        try:
-            return await self._guard(aw)
-        except BaseException:
-            call.release()
-            raise
-        finally:
-            _CALL.reset(token)
+        with in_call(call):
+            try:
+                return await self._guard(aw)
+            except BaseException:
+                call.release()
+                raise
 
     async def _run(self, call: _Call, aw: Any, n: int, *, chat: bool) -> Answer:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
