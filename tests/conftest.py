@@ -7,8 +7,9 @@
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``, on the tiny model with a
   4,192-token context (``LORA_CONTEXT``).
-- ``vllm_ref``: vLLM's own ``--tokens-only`` server on the tiny model, the reference of the compatibility tests
-  (started when first asked for).
+- ``vllm_ref``: vLLM's own server on the tiny model, the reference of the compatibility tests (started when first
+  asked for): its token API (``--enable-scale-out``) for test_vllm_compat.py, and, with the model's tokenizer, its
+  text and evaluation routes for test_vllm_compat_eval.py.
 - ``sidecar_a`` / ``sidecar_b``: two replicas for vLLM's native gRPC services and Dynamo's sidecar in front of them
   (``--grpc-port``, KV events, 32-token blocks, LoRA; served as ``tiny``; ``b`` runs its own sidecar with
   ``--dynamo-namespace``), started when first asked for (test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py
@@ -359,10 +360,10 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
-        return ServerProcess(vllm_cmd(tiny_model, port), port, log,
+        return ServerProcess(vllm_cmd(tiny_model, port, tokens_only=False), port, log,
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
-    # vLLM's server is started when first asked for, alone: only test_vllm_compat.py (near the end) uses it, and an
+    # vLLM's server is started when first asked for, alone: only test_vllm_compat*.py (near the end) use it, and an
     # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
     # too: its users are test_client.py and test_security_e2e.py, started when the first of them asks for it; and the
     # fuzzing one.
@@ -429,7 +430,7 @@ def ending_server(request: pytest.FixtureRequest, shared_servers: SharedServers)
 
 @pytest.fixture(scope="module")
 def vllm_ref(shared_servers: SharedServers) -> ServerProcess:
-    """vLLM's own server on the tiny model (test_vllm_compat.py)."""
+    """vLLM's own server on the tiny model (test_vllm_compat.py, test_vllm_compat_eval.py)."""
     return shared_servers.get("vllm_ref")
 
 

@@ -32,8 +32,11 @@ BATTERY = [
     ("n2", {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 2}}),
     ("logprobs", {"token_ids": [20, 21, 22, 23], "sampling_params": {"max_tokens": 4, "temperature": 0,
                                                                      "logprobs": 3}}),
+    # detokenize off: vLLM's reference loads the tokenizer (for its text routes) and would name each prompt token
+    # (decoded_token); tito's token API never detokenizes, as vLLM's --tokens-only server.
     ("prompt_logprobs", {"token_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_tokens": 4, "temperature": 0,
-                                                                           "logprobs": 1, "prompt_logprobs": 1}}),
+                                                                           "logprobs": 1, "prompt_logprobs": 1,
+                                                                           "detokenize": False}}),
     ("penalties", {"token_ids": [3, 3, 3, 3], "sampling_params": {"max_tokens": 6, "temperature": 0,
                                                                   "repetition_penalty": 1.3, "presence_penalty": 0.5}}),
     ("top_k_min_p", {"token_ids": [40, 41], "sampling_params": {"max_tokens": 6, "temperature": 0.7, "top_k": 5,
@@ -145,8 +148,8 @@ def test_models_card_same_shape_as_vllm(tito_url: str, vllm_url: str) -> None:
 
 
 # vLLM's OpenAI routes (served by vLLM's own handlers in tito): the same answer as vLLM's server, but for the keys
-# tito adds (weight_versions on finished choices, cached-token counts) and the text (vLLM's reference runs
-# --tokens-only, tito loads the model's tokenizer: both strings).
+# tito adds (weight_versions on finished choices, cached-token counts). Both load the model's tokenizer: the same
+# text, and the same names of the prompt's tokens.
 COMPLETIONS = [
     ("batch n2 seeded", {"prompt": [[1, 2, 3, 4, 5], [9, 10]], "n": 2, "max_tokens": 5, "temperature": 0.9, "seed": 4,
                          "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}),
@@ -163,14 +166,14 @@ def test_completions_same_answer_as_vllm(tito_url: str, vllm_url: str, name: str
         assert c.pop("weight_versions")[0]["version"] == "default"
     ours["usage"].pop("prompt_tokens_details")
     theirs["usage"].pop("prompt_tokens_details", None)
-    # prompt_logprobs' decoded_token: null from a server without a tokenizer, the token's text from tito's.
+    # prompt_logprobs: compared below, to 1e-4 (keys of token ids: JSON types alone say little).
     plps = [(a.pop("prompt_logprobs"), b.pop("prompt_logprobs")) for a, b in zip(ours["choices"], theirs["choices"],
                                                                                  strict=True)]
     assert _diff(ours, theirs) == []
     for (a, b), (pa, pb) in zip(zip(ours["choices"], theirs["choices"], strict=True), plps, strict=True):
         a["prompt_logprobs"], b["prompt_logprobs"] = pa, pb
         assert a["token_ids"] == b["token_ids"] and a["prompt_token_ids"] == b["prompt_token_ids"]
-        assert a["finish_reason"] == b["finish_reason"]
+        assert a["finish_reason"] == b["finish_reason"] and a["text"] == b["text"]
         if b["logprobs"] is not None:
             assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
             assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-4)
@@ -178,4 +181,7 @@ def test_completions_same_answer_as_vllm(tito_url: str, vllm_url: str, name: str
             assert [None if x is None else {k: v["logprob"] for k, v in x.items()} for x in a["prompt_logprobs"]] == [
                 None if y is None else pytest.approx({k: v["logprob"] for k, v in y.items()}, abs=1e-4)
                 for y in b["prompt_logprobs"]]
+            names = [[None if x is None else {k: v["decoded_token"] for k, v in x.items()}
+                      for x in p["prompt_logprobs"]] for p in (a, b)]
+            assert names[0] == names[1]
     assert ours["usage"] == theirs["usage"]
