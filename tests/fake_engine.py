@@ -151,7 +151,7 @@ class FakeEngine:
     async def resume(self) -> None:
         self.paused = False
 
-    async def is_paused(self) -> bool:
+    async def is_paused(self, *, ask_engine: bool = False) -> bool:
         return self.paused
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:

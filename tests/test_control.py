@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import LONG_CONTEXT
-from tests.helpers import ServerProcess, engine_env, free_port, restore_server, tito_cmd
+from tests.helpers import ServerProcess, engine_env, free_port, metric_value, restore_server, tito_cmd
 from tests.streaming import GEN, async_client, inflight, long_context_model, wait_for
 
 pytestmark = pytest.mark.engine
@@ -279,3 +279,50 @@ async def _running(c: httpx.AsyncClient, name: str) -> bool:
 
 async def _queued(c: httpx.AsyncClient, k: int) -> bool:
     return int((await _control(c))["queued"]) >= k
+
+
+# ------------------------------------------------------------------------------------------------ tito's record
+
+
+def test_is_paused_answers_from_titos_record_and_matches_the_engine(server: ServerProcess) -> None:
+    """/is_paused answers from what tito last told the scheduler (no round trip behind the step in progress);
+    /server_info asks the engine itself. The two agree through every kind of pause, a frozen request and a resume,
+    and each transition's time is in tito_control_seconds, the loop's lag in tito_event_loop_lag_seconds."""
+
+    async def both(c: httpx.AsyncClient) -> tuple[bool, bool]:
+        engine = (await c.get("/server_info")).json()["state"]["paused"]
+        return await _paused(c), engine
+
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            before = (await c.get("/metrics")).text
+            streams: list[Stream] = []
+            try:
+                assert await both(c) == (False, False)
+                s = Stream(c, 8)
+                streams.append(s)
+                await asyncio.wait_for(s.first.wait(), 120)
+                assert (await c.post("/pause", params={"mode": "keep"})).status_code == 200
+                assert await both(c) == (True, True)
+                frozen = len(s.tokens)
+                assert (await c.post("/resume")).status_code == 200
+                assert await both(c) == (False, False)
+                await s.grows()  # the frozen request went on
+                assert len(s.tokens) > frozen
+                assert (await c.post("/pause", params={"mode": "abort"})).status_code == 200
+                assert await both(c) == (True, True)
+                await asyncio.wait_for(s.task, 60)
+                assert s.finish == "abort"
+                assert (await c.post("/resume")).status_code == 200
+                assert await both(c) == (False, False)
+            finally:
+                await _cleanup(c, streams)
+            after = (await c.get("/metrics")).text
+            for call, n in (("pause_keep", 1), ("pause_abort", 1), ("resume", 2)):
+                labels = {"call": call, "part": "run"}
+                grew = (metric_value(after, "tito_control_seconds_count", labels) or 0) - \
+                    (metric_value(before, "tito_control_seconds_count", labels) or 0)
+                assert grew >= n, (call, grew)
+            assert (metric_value(after, "tito_event_loop_lag_seconds_count") or 0) > 0
+
+    asyncio.run(run())

@@ -38,6 +38,16 @@ STAGE_BYTES = Counter("tito_stage_bytes_total", "Bytes of staged artifacts, by t
 STAGE_SECONDS = Histogram("tito_stage_check_seconds", "Seconds to read, check and prepare a staged version",
                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 DELTA_ELEMENTS = Counter("tito_delta_elements_total", "Weight elements changed by committed deltas")
+# The control plane (app/server/control.py) and the loop every HTTP and gRPC call shares: where a control call's time
+# goes under load (its turn, the engine's part, and the wait behind work already queued in the API process).
+CONTROL_SECONDS = Histogram("tito_control_seconds", "Seconds per control transition (pause, resume, "
+                            "reset_prefix_cache, weight update) by call and part: queued (waiting for its turn) or "
+                            "run (the transition itself, engine calls included)", ["call", "part"],
+                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                                     300))
+LOOP_LAG = Histogram("tito_event_loop_lag_seconds", "How late the API process's event loop runs a timer, sampled "
+                     "every 100 ms: what any request waits behind the work already queued on the loop",
+                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 # The gRPC services (app/grpc/status.py).
 GRPC_REQUESTS = Counter("tito_grpc_requests_total", "gRPC calls by method and status code", ["method", "code"])
 

@@ -237,6 +237,10 @@ class Engine:
             stop_ids_outside_vocab=_stop_ids_outside_vocab(llm, int(mc.get_vocab_size())),
         )
         self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
+        # The scheduler's pause state as tito last set it (every pause and resume goes through this adapter), so
+        # /is_paused and the control plane answer without a round trip that waits behind the engine's step in
+        # progress. None after a failed call: the next is_paused() asks the engine.
+        self._paused: bool | None = False
 
     @classmethod
     def start(cls, settings: Settings) -> Engine:
@@ -289,18 +293,38 @@ class Engine:
 
     async def pause(self, mode: str = "abort", clear_cache: bool = True, settle: bool = True) -> None:
         """``settle=False`` skips the 20 ms sleep ``pause_generation`` adds after the scheduler has paused (there only
-        so the last outputs reach their callers first; vLLM notes it is not needed for correctness). A weight update
-        does not need it: every token carries its version from the engine. Half of what tito adds to an update."""
-        if settle:
-            await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
-        else:
-            await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        so the last outputs of the requests the pause ends reach their callers first; vLLM notes it is not needed for
+        correctness). A keep pause ends no request, and a weight update does not need it either: every token carries
+        its version from the engine."""
+        # Paused from the moment the call is sent: the scheduler applies it in order before anything sent later.
+        self._paused = True
+        try:
+            if settle and mode != "keep":
+                await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+            else:
+                await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        except BaseException:
+            self._paused = None
+            raise
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        try:
+            await self.llm.resume_generation()
+        except BaseException:
+            self._paused = None
+            raise
+        self._paused = False
 
-    async def is_paused(self) -> bool:
-        return bool(await self.llm.is_paused())
+    async def is_paused(self, *, ask_engine: bool = False) -> bool:
+        """Whether the scheduler is paused: as tito set it, or (``ask_engine``, or after a failed call) the engine's
+        own answer, a round trip behind the step in progress."""
+        if self._paused is not None and not ask_engine:
+            return self._paused
+        known = self._paused
+        paused = bool(await self.llm.is_paused())
+        if known is None and self._paused is None:  # not while a call sent since then may have changed it
+            self._paused = paused
+        return paused
 
     async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                              timeout: float | None = None) -> list[Any]:

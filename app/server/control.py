@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -75,6 +76,8 @@ class ControlPlane:
         return guarded
 
     async def _locked(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None) -> T:
+        label = _label(name)
+        t0 = time.perf_counter()
         self.queued += 1
         try:
             if wait is None:
@@ -87,6 +90,8 @@ class ControlPlane:
                                         f"{wait:g}s; nothing was changed, retry later.") from None
         finally:
             self.queued -= 1
+        t1 = time.perf_counter()
+        metrics.CONTROL_SECONDS.labels(label, "queued").observe(t1 - t0)
         self.holder = name
         outcome = "error"
         try:
@@ -97,6 +102,7 @@ class ControlPlane:
             outcome = str(e.status)
             raise
         finally:
+            metrics.CONTROL_SECONDS.labels(label, "run").observe(time.perf_counter() - t1)
             self.history.append((name, outcome))
             self.holder = None
             self.lock.release()
@@ -125,12 +131,14 @@ class ControlPlane:
 
     async def _pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
         eng = self.engine
-        was_paused = await eng.is_paused()
-        task = asyncio.ensure_future(eng.pause(mode=mode, clear_cache=clear_cache))
+        was_paused = await eng.is_paused()  # tito's record: no round trip behind the step in progress
         if mode != "wait":
-            await task  # abort and keep return as soon as the engine has frozen or aborted its requests
+            # abort and keep return as soon as the engine has frozen or aborted its requests. Awaited here, not in a
+            # task of its own: under load each task hand-over waits a turn of the busy loop.
+            await eng.pause(mode=mode, clear_cache=clear_cache)
             self._paused(mode)
             return
+        task = asyncio.ensure_future(eng.pause(mode=mode, clear_cache=clear_cache))
         supersede = self._supersede = asyncio.Event()
         given_way = asyncio.ensure_future(supersede.wait())
         # ``timeout`` bounds the wait for in-flight requests; with none there is nothing to drain, and the engine's
@@ -197,6 +205,15 @@ class ControlPlane:
     def _paused(self, mode: str | None) -> None:
         self.paused_mode = mode
         metrics.PAUSED.set(0 if mode is None else 1)
+
+
+def _label(name: str) -> str:
+    """The metric label of a transition: its kind, not its version (commit names carry one)."""
+    if name.startswith("pause (mode="):
+        return "pause_" + name.removeprefix("pause (mode=").rstrip(")")
+    if name.startswith(("weight update", "commit ")):
+        return "weight_update"
+    return name
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:

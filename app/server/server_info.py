@@ -24,7 +24,8 @@ async def _paused(state: AppState) -> bool | None:
     if state.engine.errored:
         return None
     try:
-        return await asyncio.wait_for(state.engine.is_paused(), 5.0)
+        # The engine's own answer, not tito's record of it: /server_info is where the two can be compared.
+        return await asyncio.wait_for(state.engine.is_paused(ask_engine=True), 5.0)
     except Exception as e:  # noqa: BLE001 - unknown is an honest answer; the info route must still answer
         log.warning("is_paused failed: %s", e)
         return None

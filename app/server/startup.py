@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from app import __version__
+from app.core import metrics
 from app.engine.adapter import Engine
 from app.engine.sampling import configured_limits
 from app.server.state import AppState
@@ -47,14 +48,45 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
+class LoopLag:
+    """Samples the event loop's lag into ``tito_event_loop_lag_seconds``: a timer's lateness is what every
+    request's next step waits behind the callbacks already queued (under load, mostly streams' outputs)."""
+
+    name = "event-loop lag monitor"
+    interval = 0.1
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self, state: AppState) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval
+            await asyncio.sleep(self.interval)
+            metrics.LOOP_LAG.observe(max(0.0, loop.time() - due))
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+def _services(app: FastAPI) -> list[Service]:
+    if getattr(app.state, "loop_lag", None) is None:
+        app.state.loop_lag = LoopLag()
+    return [app.state.loop_lag, *getattr(app.state, "services", [])]
+
+
 async def start_services(app: FastAPI, state: AppState) -> None:
-    for svc in getattr(app.state, "services", []):
+    for svc in _services(app):
         await svc.start(state)
         log.info("%s started", svc.name)
 
 
 async def stop_services(app: FastAPI) -> None:
-    for svc in reversed(getattr(app.state, "services", [])):
+    for svc in reversed(_services(app)):
         try:
             await svc.stop()
         except Exception:  # noqa: BLE001 - the others and the engine must still stop
