@@ -297,6 +297,12 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     return results
 
 
+def from_checkout(cmd: list[str], base: str) -> list[str]:
+    """``tito_cmd``'s command importing tito from the checkout ``base`` instead of this one."""
+    return [cmd[0], "-c", f"import sys; sys.path.insert(0, {base!r}); from app.cli import main; "
+                          "raise SystemExit(main())", *cmd[3:]]
+
+
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
                client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None,
                base: str | None = None) -> dict[str, Any]:
@@ -310,10 +316,9 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
     port = free_port()
     if system in ("tito", "base"):
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
-        if system == "base":  # the same command, importing tito from the other checkout
+        if system == "base":
             assert base is not None
-            cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {base!r}); from app.cli import main; "
-                              "raise SystemExit(main())"]
+            cmd = from_checkout(cmd, base)
     else:
         cmd = vllm_cmd(model, port)
     # Server and load generator stay in this session (ServerProcess only makes a new process group): one CFS

@@ -206,6 +206,68 @@ def test_stop_strings_cut_the_text_and_the_tokens(detok: Detokenizer) -> None:
     assert s.add(ids[1:]) == len(ids) - 1 and s.stopped is None
 
 
+class _WholeText:
+    """vLLM's incremental detokenization and stop strings on the whole text, decoded twice a token: what
+    ``TextStream`` (which keeps only the unsent text and caches one-token decodes) must send, piece for piece."""
+
+    def __init__(self, tok: Any, prompt: list[int], skip: bool, stops: list[str], include: bool, min_tokens: int):
+        self.tok, self.skip, self.stops, self.include, self.min_tokens = tok, skip, stops, include, min_tokens
+        self.ids = prompt[-16:]
+        self.prefix, self.read = 0, len(self.ids)
+        self.longest = max((len(x) for x in stops), default=0)
+        self.text, self.sent, self.tokens, self.stopped = "", 0, 0, None
+
+    def add(self, ids: list[int]) -> int:
+        for k, t in enumerate(ids):
+            self.tokens += 1
+            self.ids = [*self.ids, t]
+            prefix = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+            new = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+            if len(new) <= len(prefix) or new.endswith("\ufffd"):
+                continue
+            self.prefix, self.read = self.read, len(self.ids)
+            start = max(0, len(self.text) - self.longest + 1)
+            self.text += new[len(prefix):]
+            hits = [(i, x) for x in self.stops if (i := self.text.find(x, start)) != -1]
+            if hits and self.tokens > self.min_tokens:
+                i, x = min(hits)
+                self.text, self.stopped = self.text[:i + len(x) if self.include else i], x
+                return k + 1
+        return len(ids)
+
+    def take(self, final: bool) -> str:
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - max(self.longest - 1, 0))
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def test_streamed_text_is_vllms_incremental_text_piece_for_piece(tmp_path: Path) -> None:
+    import random
+
+    from app.tiny.model import make_tiny_model
+
+    d = Detokenizer.load(str(make_tiny_model(tmp_path / "tiny")))
+    assert d is not None
+    rng = random.Random(1)
+    vocab = d.tokenizer.get_vocab_size()
+    stopped = 0
+    for _ in range(400):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice((0, 1, 5, 30)))]
+        stops = rng.choice(([], [], ["a"], ["e ", "the"], ["ab", "b", "xyz"], ["in", "on", "er"]))
+        skip, include, min_tokens = rng.random() < 0.7, rng.random() < 0.5, rng.choice((0, 0, 3))
+        got = d.stream(prompt, skip_special_tokens=skip, stops=stops, include_stop=include, min_tokens=min_tokens)
+        want = _WholeText(d.tokenizer, prompt, skip, stops, include, min_tokens)
+        for _ in range(rng.randrange(1, 150)):
+            ids = [rng.randrange(vocab) for _ in range(rng.choice((1, 1, 1, 2, 5)))]
+            assert (got.add(ids), got.stopped) == (want.add(ids), want.stopped)
+            final = want.stopped is not None or rng.random() < 0.02
+            assert got.take(final) == want.take(final)
+            if final:
+                stopped += want.stopped is not None
+                break
+    assert stopped > 20  # the stop strings were met, not only passed over
+
+
 # ------------------------------------------------------------------------------------------------ trust boundary
 
 

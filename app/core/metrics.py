@@ -90,6 +90,17 @@ def count_answer(route: str, status: int) -> None:
         c.inc()
 
 
+_GRPC_COUNTERS: dict[tuple[str, str], Any] = {}
+
+
+def count_grpc(method: str, code: str) -> None:
+    """One gRPC call in ``tito_grpc_requests_total{method,code}``, its child resolved once as ``count_answer``'s."""
+    counter = _GRPC_COUNTERS.get((method, code))
+    if counter is None:
+        counter = _GRPC_COUNTERS[(method, code)] = GRPC_REQUESTS.labels(method, code)
+    counter.inc()
+
+
 def _route_label(scope: Scope) -> str:
     # FastAPI puts the matched route in the scope: label by its template (``/v1/models``), never by the raw path,
     # so a client cannot blow up the label set. Unmatched paths share one label.

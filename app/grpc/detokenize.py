@@ -20,6 +20,8 @@ log = logging.getLogger("tito.detokenize")
 # Prompt tokens a stream is primed with: enough for the first output token's text to be decoded in its context
 # (a leading space, a character split over tokens) without decoding a long prompt again.
 PRIME_TOKENS = 16
+# One-token decodes kept per server (each skip_special_tokens setting): a bound on memory for huge vocabularies.
+PIECE_CACHE = 1 << 16
 
 
 class Detokenizer:
@@ -28,6 +30,8 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, path: str) -> None:
         self.tokenizer = tokenizer
         self.path = path
+        # decode([id]) by skip_special_tokens: what a stream's window decodes as its prefix at almost every step.
+        self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     @classmethod
     def load(cls, model_dir: str) -> Detokenizer | None:
@@ -45,16 +49,18 @@ class Detokenizer:
 
     def stream(self, prompt_ids: list[int], *, skip_special_tokens: bool = True, stops: list[str] | None = None,
                include_stop: bool = False, min_tokens: int = 0) -> TextStream:
-        return TextStream(self.tokenizer, prompt_ids, skip_special_tokens, stops or [], include_stop, min_tokens)
+        return TextStream(self.tokenizer, prompt_ids, skip_special_tokens, stops or [], include_stop, min_tokens,
+                          self.pieces[skip_special_tokens])
 
 
 class TextStream:
     """One sequence's text, token by token."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool, stops: list[str],
-                 include_stop: bool, min_tokens: int) -> None:
+                 include_stop: bool, min_tokens: int, pieces: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
+        self.pieces: dict[int, str] = {} if pieces is None else pieces
         # vLLM's incremental detokenization (its slow path: offsets into the ids, the text between them decoded
         # again), not tokenizers' DecodeStream primed with the prompt: when the primed window decodes with U+FFFD
         # (it starts or ends inside a character, common with byte tokens), DecodeStream's first step returned text
@@ -67,8 +73,9 @@ class TextStream:
         self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.longest = max((len(s) for s in self.stops), default=0)
-        self.text = ""
-        self.sent = 0
+        # Only the text not sent yet: a stop string can only start there (take holds back its possible start), and
+        # a long output's text is not copied again at every token.
+        self.pending = ""
         self.tokens = 0
         self.stopped: str | None = None
 
@@ -76,9 +83,18 @@ class TextStream:
         ids = self.ids
         ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special) \
-            if self.read_offset > self.prefix_offset else ""
-        new = decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        start, end = self.prefix_offset, self.read_offset
+        if end - start == 1:
+            # The window's prefix is one token after every step that produced text: one decode a token, not two.
+            tid = ids[start]
+            prefix = self.pieces.get(tid)
+            if prefix is None:
+                prefix = decode([tid], skip_special_tokens=self.skip_special)
+                if len(self.pieces) < PIECE_CACHE:
+                    self.pieces[tid] = prefix
+        else:
+            prefix = decode(ids[start:end], skip_special_tokens=self.skip_special) if end > start else ""
+        new = decode(ids[start:], skip_special_tokens=self.skip_special)
         if len(new) <= len(prefix) or new.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -96,24 +112,27 @@ class TextStream:
             piece = self._step(tid)
             if not piece:
                 continue
-            start = max(0, len(self.text) - self.longest + 1)
-            self.text += piece
+            start = max(0, len(self.pending) - self.longest + 1)
+            self.pending += piece
             if self.stops and self.tokens > self.min_tokens and self._match(start):
                 return k + 1
         return len(token_ids)
 
     def _match(self, start: int) -> bool:
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) != -1]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s, start)) != -1]
         if not hits:
             return False
         i, s = min(hits)
-        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self.pending = self.pending[:i + len(s)] if self.include_stop else self.pending[:i]
         self.stopped = s
         return True
 
     def take(self, final: bool) -> str:
         """The text not sent yet; while the sequence runs, without the tail a stop string may still start in."""
-        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - max(self.longest - 1, 0))
-        out = self.text[self.sent:end]
-        self.sent = end
-        return out
+        text = self.pending
+        if final or self.stopped or self.longest <= 1:
+            self.pending = ""
+            return text
+        end = max(0, len(text) - self.longest + 1)
+        self.pending = text[end:]
+        return text[:end]

@@ -119,8 +119,10 @@ class GrpcServer:
         s = state.settings
         self.address = f"{s.host}:{s.grpc_port}"
         keys = Keys.from_settings(s)
-        self.server = grpc.aio.server(options=_OPTIONS, interceptors=[
-            ApiKeyInterceptor(keys), grpc_vllm.VllmKeyInterceptor(keys, s.grpc_trust_loopback)])
+        # Without keys both interceptors pass every call: left out, so no call pays their two coroutines.
+        interceptors = [ApiKeyInterceptor(keys), grpc_vllm.VllmKeyInterceptor(keys, s.grpc_trust_loopback)] \
+            if keys.any else []
+        self.server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(TitoEngineServicer(state), self.server)
         vllm_services = grpc_vllm.add_services(self.server, state)
         health_pb2_grpc.add_HealthServicer_to_server(TitoHealth(state), self.server)

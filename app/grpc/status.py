@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from app.core.metrics import GRPC_REQUESTS, REJECTED, reject_reason
+from app.core.metrics import REJECTED, count_grpc, reject_reason
 from app.core.protocol import ApiError
 
 log = logging.getLogger("tito.grpc")
@@ -48,7 +48,7 @@ class GrpcCall:
         if self._counted:
             return
         self._counted = True
-        GRPC_REQUESTS.labels(self.method, code.name).inc()
+        count_grpc(self.method, code.name)
         if http_status is not None and 400 <= http_status < 500 and http_status != 499:
             REJECTED.labels(reject_reason(http_status)).inc()
 

@@ -82,9 +82,11 @@ def _struct(msg: Any, has: bool) -> dict[str, Any] | None:
     return json_format.MessageToDict(msg) if has else None
 
 
-def to_generate_request(msg: pb.GenerateRequest) -> tuple[GenerateRequest, Wanted]:
+def to_generate_request(msg: pb.GenerateRequest, unary: bool = False) -> tuple[GenerateRequest, Wanted]:
     """A ``vllm.GenerateRequest`` as tito's HTTP request (``ApiError(400)`` as HTTP words it), and what to send back.
-    Numbers that read 0 mean "not set" on this wire, so they are left out and tito's defaults apply."""
+    Numbers that read 0 mean "not set" on this wire, so they are left out and tito's defaults apply. ``unary``: for
+    ``Generate``, which asks the engine for the final output only (as HTTP's JSON answer does) unless stop strings
+    must be matched token by token to end the sequence early."""
     kind = msg.WhichOneof("prompt")
     if kind == "text":
         raise refuse_text_prompt("token_ids")
@@ -123,7 +125,7 @@ def to_generate_request(msg: pb.GenerateRequest) -> tuple[GenerateRequest, Wante
         "sampling_params": sp,
         "request_id": msg.request_id or None,
         "model": msg.model or None,
-        "stream": True,
+        "stream": not unary or any(stops),
         "priority": msg.priority,
         "cache_salt": kv.cache_salt or None,
         "kv_transfer_params": _struct(kv.kv_transfer_params, kv.HasField("kv_transfer_params")),
@@ -205,7 +207,8 @@ class Answer:
 
     def messages(self, res: RequestOutput) -> list[pb.GenerateResponse]:
         out = []
-        for c in sorted(res.outputs, key=lambda o: o.index):
+        outputs = res.outputs
+        for c in outputs if len(outputs) == 1 else sorted(outputs, key=lambda o: o.index):
             msg = self._sequence(res, c)
             if msg is not None:
                 out.append(msg)
@@ -228,7 +231,11 @@ class Answer:
             stop_string = seq.text.stopped
             ids = ids[:kept]
         finished = stop_string is not None or c.finish_reason is not None
-        o = pb.SequenceOutput(index=c.index, num_tokens=len(ids))
+        # Filled in place: a SequenceOutput built apart would be copied into the response.
+        msg = pb.GenerateResponse()
+        o = msg.outputs
+        o.index = c.index
+        o.num_tokens = len(ids)
         if self.want.token_ids:
             o.token_ids.extend(ids)
         if self.want.logprobs:
@@ -246,7 +253,7 @@ class Answer:
             self._finish(o, res, c, seq, stop_string)
         elif not ids and not o.text:
             return None
-        return pb.GenerateResponse(outputs=o)
+        return msg
 
     def _finish(self, o: pb.SequenceOutput, res: RequestOutput, c: CompletionOutput, seq: Sequence,
                 stop_string: str | None) -> None:
@@ -332,12 +339,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             messages.append(msg)
 
         await self._run(request, context, GrpcCall("Generate"), keep, unary=True)
-        return merge(messages)
+        return messages[0] if len(messages) == 1 else merge(messages)  # one is the answer as it is, not copied
 
     def _prepare(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                  unary: bool) -> tuple[GenerateRequest, Wanted, Any, Any, int | None]:
         state = self.state
-        req, want = to_generate_request(request)
+        req, want = to_generate_request(request, unary)
         params = admit(state, req)
         if unary and params.n > 1:
             raise bad_request("Generate returns one sequence; use GenerateStream for num_sequences > 1.",
