@@ -2,7 +2,9 @@
 /reset_prefix_cache`` (vLLM's routes and shapes).
 
 Pause, resume and weight updates run one at a time in arrival order (``app/server/control.py`` says what concurrent
-calls do); each runs in its own task, so a client that disconnects or times out does not leave the engine half-paused.
+calls do). These handlers run their transition in place (``shield=False``): uvicorn never cancels a handler whose
+client disconnects or times out, so the transition still ends whole (tests/test_control.py shows it), without the
+task hand-overs a shielded one waits for under load.
 The routes parse; app/server/control_service.py does the rest, for gRPC too.
 """
 
@@ -31,7 +33,7 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
                                                                 "mode=wait, for the drain; a drain that does not end "
                                                                 "in time is cancelled (504)."),
                 state: AppState = Depends(get_state)) -> Response:
-    await svc.pause_generation(state, mode, clear_cache, timeout)
+    await svc.pause_generation(state, mode, clear_cache, timeout, shield=False)
     return json_response({"status": "paused"})
 
 
@@ -39,7 +41,7 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
 async def resume(timeout: float = Query(600.0, gt=0, description="Seconds to wait for a running weight update and "
                                                                  "earlier control calls (409 after that)."),
                  state: AppState = Depends(get_state)) -> Response:
-    await svc.resume_generation(state, timeout)
+    await svc.resume_generation(state, timeout, shield=False)
     return json_response({"status": "resumed"})
 
 
@@ -75,6 +77,7 @@ async def reset_prefix_cache(request: Request,
             raise ApiError(400, f"{name} must be a boolean.", param=name)
         flags[name] = value
     state.check_engine()
-    ok = await state.control.reset_prefix_cache(flags["reset_running_requests"], flags["reset_external"], timeout)
+    ok = await state.control.reset_prefix_cache(flags["reset_running_requests"], flags["reset_external"], timeout,
+                                                shield=False)
     log.info("prefix cache reset (reset_running_requests=%s): %s", flags["reset_running_requests"], ok)
     return json_response({"success": ok})

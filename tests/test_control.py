@@ -273,6 +273,39 @@ def test_pause_update_and_resume_run_in_arrival_order(server: ServerProcess, tmp
     asyncio.run(run())
 
 
+
+def test_a_pause_whose_client_leaves_still_ends_whole(server: ServerProcess) -> None:
+    """The HTTP routes run their transition in the handler's own task (no shielding task): a client that gives up on
+    a draining pause leaves it running, and it completes once the drain ends, as if the client had stayed."""
+
+    async def run() -> None:
+        async with async_client(server.url) as c:
+            streams: list[Stream] = []
+            try:
+                s = Stream(c, 9)
+                streams.append(s)
+                await asyncio.wait_for(s.first.wait(), 120)
+                async with httpx.AsyncClient(base_url=server.url) as impatient:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await impatient.post("/pause", params={"mode": "wait", "timeout": 600}, timeout=1.0)
+                # The client has gone; the pause has not: it still drains, holding the control plane.
+                assert (await _control(c))["running"] == "pause (mode=wait)"
+                r = await c.post("/abort_requests", json={"request_ids": [s.engine_id]})
+                assert r.json()["aborted"] == 1
+
+                async def settled() -> bool:
+                    return (await _control(c))["running"] is None
+
+                await wait_for(settled, 60)
+                assert (await _control(c))["recent"][-1] == {"call": "pause (mode=wait)", "outcome": "ok"}
+                assert await _paused(c)
+                assert (await c.get("/server_info")).json()["state"]["paused"] is True
+            finally:
+                await _cleanup(c, streams)
+
+    asyncio.run(run())
+
+
 async def _running(c: httpx.AsyncClient, name: str) -> bool:
     return (await _control(c))["running"] == name
 

@@ -56,8 +56,13 @@ class ControlPlane:
         # The last transitions in the order they ran: (name, outcome), for /server_info and for tests.
         self.history: deque[tuple[str, str]] = deque(maxlen=32)
 
-    async def run(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None) -> T:
-        """Run ``fn`` as the next transition, in its own task; ``wait`` bounds the time spent queued (409 then)."""
+    async def run(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None, *, shield: bool = True) -> T:
+        """Run ``fn`` as the next transition; ``wait`` bounds the time spent queued (409 then). ``shield``: in a task
+        of its own, so a caller that is cancelled (a gRPC client that leaves) never leaves it half done. A caller that
+        is never cancelled (an HTTP handler: uvicorn lets it finish when its client leaves) runs it in place instead:
+        under load every task hand-over waits a turn of the busy loop, and a shielded transition costs three."""
+        if not shield:
+            return await self._locked(name, fn, wait)
         task = asyncio.ensure_future(self._locked(name, fn, wait))
         self._tasks.add(task)  # a reference until done: the task outlives a cancelled caller
         task.add_done_callback(self._tasks.discard)
@@ -122,12 +127,12 @@ class ControlPlane:
             if not await mgr.wait_idle(wait):
                 raise ApiError(409, f"a weight update is still running after {wait:g}s; retry later.")
 
-    async def pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
+    async def pause(self, mode: str, clear_cache: bool, timeout: float, *, shield: bool = True) -> None:
         async def do() -> None:
             await self._pause(mode, clear_cache, timeout)
 
         await self.after_update(timeout)
-        await self.run(f"pause (mode={mode})", do, timeout)
+        await self.run(f"pause (mode={mode})", do, timeout, shield=shield)
 
     async def _pause(self, mode: str, clear_cache: bool, timeout: float) -> None:
         eng = self.engine
@@ -170,7 +175,7 @@ class ControlPlane:
         raise ApiError(504, f"pause (mode=wait) did not drain within {timeout:g}s; the pause was cancelled and "
                             "generation continues.")
 
-    async def resume(self, wait: float) -> None:
+    async def resume(self, wait: float, *, shield: bool = True) -> None:
         if self._supersede is not None:
             self._supersede.set()  # the last call wins: a draining mode=wait pause gives way to this resume
 
@@ -186,9 +191,10 @@ class ControlPlane:
             self._paused(None)
 
         await self.after_update(wait)
-        await self.run("resume", do, wait)
+        await self.run("resume", do, wait, shield=shield)
 
-    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool, wait: float) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool, wait: float, *,
+                                 shield: bool = True) -> bool:
         """vLLM's ``/reset_prefix_cache`` as a transition: after a running weight update (which resets the cache
         itself) and earlier control calls, never between an update's load and its own reset."""
         async def do() -> bool:
@@ -200,7 +206,7 @@ class ControlPlane:
                 raise ApiError(504, f"reset_prefix_cache did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
 
         await self.after_update(wait)
-        return await self.run("reset_prefix_cache", do, wait)
+        return await self.run("reset_prefix_cache", do, wait, shield=shield)
 
     def _paused(self, mode: str | None) -> None:
         self.paused_mode = mode

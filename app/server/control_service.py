@@ -13,12 +13,14 @@ from app.server.state import AppState
 log = logging.getLogger("tito.control")
 
 
-async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float) -> None:
-    """Pause (``mode``: abort, wait or keep the requests in flight), with the control plane's error answers."""
+async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float, *,
+                           shield: bool = True) -> None:
+    """Pause (``mode``: abort, wait or keep the requests in flight), with the control plane's error answers.
+    ``shield=False`` only for a caller that is never cancelled (see ``ControlPlane.run``)."""
     state.check_engine()
     try:
         # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
-        await state.control.pause(mode, clear_cache and mode != "keep", timeout)
+        await state.control.pause(mode, clear_cache and mode != "keep", timeout, shield=shield)
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
@@ -26,11 +28,11 @@ async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeou
     log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
 
 
-async def resume_generation(state: AppState, timeout: float) -> None:
+async def resume_generation(state: AppState, timeout: float, *, shield: bool = True) -> None:
     state.check_engine()
     try:
         # Resuming mid-load would generate from half-updated weights: a running update finishes first.
-        await state.control.resume(timeout)
+        await state.control.resume(timeout, shield=shield)
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001
