@@ -113,8 +113,8 @@ serve: $(VENV)/.installed-cpu $(MODEL)/config.json
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check app routers tests scripts
-	$(BIN)/mypy app routers
+	$(BIN)/ruff check app routers tito tests scripts
+	$(BIN)/mypy app routers tito
 	$(BIN)/python scripts/gen_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 

@@ -5,7 +5,7 @@ Round after round, each system is started fresh on the same model and engine set
 share the CPU), and driven through the same workloads:
 
     inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
-    tito       ``python -m app serve``
+    tito       ``python -m tito serve``
     base       tito from another checkout (``--base DIR``, e.g. main's): a change against its base, in one run
     vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
     matched    inprocess again, beside a CPU burner as large as the CPU tito's HTTP layer and load generator took in
@@ -312,7 +312,7 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
         if system == "base":  # the same command, importing tito from the other checkout
             assert base is not None
-            cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {base!r}); from app.cli import main; "
+            cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {base!r}); from tito.cli import main; "
                               "raise SystemExit(main())"]
     else:
         cmd = vllm_cmd(model, port)

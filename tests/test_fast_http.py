@@ -16,9 +16,9 @@ import pytest
 
 from app.client import AsyncTitoClient, TitoError
 from app.core.settings import Settings
-from app.main import create_app
 from tests.fake_engine import FakeEngine, until
 from tests.test_bad_input import CASES
+from tito.main import create_app
 
 GEN = "/inference/v1/generate"
 OK = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "temperature": 0}}
