@@ -26,12 +26,13 @@ WORKDIR /opt/tito
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY routers ./routers
+COPY tito ./tito
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch ("operator
 # torchvision::nms does not exist"); text models need none of them, so the CPU image drops them.
 RUN pip install ${TORCH_INDEX:+--extra-index-url ${TORCH_INDEX}} ".[${EXTRA}]" \
  && if [ "${EXTRA}" = "cpu" ]; then pip uninstall -y torchvision torchaudio torchcodec || true; fi \
- && python -c "import vllm, app.main; print('vllm', vllm.__version__)"
+ && python -c "import vllm, tito.main; print('vllm', vllm.__version__)"
 
 # The embedded default model, written offline at build time (random weights; for smoke tests and CI).
 RUN useradd --create-home --uid 1000 tito \

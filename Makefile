@@ -39,66 +39,54 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 	-$(BIN)/pip uninstall -y -q $(CUDA_ONLY)
 	touch $@
 
-# SkyRL 0.4's clients, for tests/test_trainers.py: SkyRL needs Python >= 3.12 (its pydantic models refuse 3.11), so
-# they get a venv of their own, outside the checkout so every clone (CI's too) reuses it; the tests skip SkyRL's checks
-# when it is missing. No CPU torch wheel exists for 3.12 here, so torch is PyPI's CUDA build, whose libtorch_cuda.so
-# (loaded by `import torch` even on a CPU) links most CUDA libraries: the pinned list installs with --no-deps and leaves
-# out only what nothing loads (triton, cusolver, cupti, nvtx, cuda-bindings: ~1 GB of 5.3). The stamp carries the
-# list's hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not.
-TRAINERS_VENV   ?= $(HOME)/.cache/tito/venv-trainers
-TRAINERS_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-TRAINERS_REQS   := tests/trainer_clients/skyrl-requirements.txt
-TRAINERS_STAMP  := $(TRAINERS_VENV)/.installed-$(firstword $(shell sha256sum $(TRAINERS_REQS)))
-export TITO_TRAINERS_VENV := $(abspath $(TRAINERS_VENV))
+# A trainer's own clients in a venv of their own, outside the checkout so every clone (CI's too) reuses it; the tests
+# skip that trainer's checks when it is missing. $(1): the target (`make $(1)`, and `make $(1)-bg`); $(2): the prefix of
+# its variables (_VENV, _PYTHON, _REQS: the pinned list, installed with --no-deps; _IMPORTS: what the build imports at
+# the end, so that a missing pin fails the build, not the tests; _NAME: for messages). The stamp carries the list's
+# hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not. `make test` starts the build
+# first, in the background (`$(1)-bg`), beside the main venv's install, lint and the suite; the test module waits for
+# it. TITO_$(2)_BUILD: the build's log; .pid its process, .rc its exit status once it ends.
+define client_venv
+$(2)_STAMP := $$($(2)_VENV)/.installed-$$(firstword $$(shell sha256sum $$($(2)_REQS)))
+export TITO_$(2)_VENV := $$(abspath $$($(2)_VENV))
+$(2)_BUILD := $$(TITO_$(2)_VENV).build.log
+export TITO_$(2)_BUILD := $$($(2)_BUILD)
 
-# The import at the end fails the build, not the tests, should a pin be missing.
-$(TRAINERS_STAMP):
-	mkdir -p $(dir $(TRAINERS_VENV))
-	$(TRAINERS_PYTHON) -m venv --clear $(TRAINERS_VENV)
-	$(TRAINERS_VENV)/bin/pip install -q --no-deps -r $(TRAINERS_REQS)
-	$(TRAINERS_VENV)/bin/python -c "import torch, skyrl.backends.skyrl_train.inference_servers.remote_inference_client, skyrl.backends.skyrl_train.weight_sync.control_plane"
-	touch $(TRAINERS_VENV)/.installed $@
+$$($(2)_STAMP):
+	mkdir -p $$(dir $$($(2)_VENV))
+	$$($(2)_PYTHON) -m venv --clear $$($(2)_VENV)
+	$$($(2)_VENV)/bin/pip install -q --no-deps -r $$($(2)_REQS)
+	$$($(2)_VENV)/bin/python -c "import $$($(2)_IMPORTS)"
+	touch $$($(2)_VENV)/.installed $$@
 
-trainers: $(TRAINERS_STAMP)
+$(1): $$($(2)_STAMP)
 
-# `make test` starts building SkyRL's venv first, in the background, beside the main venv's install, lint and the suite;
-# tests/test_trainers.py (near the end of the suite) waits for it. TITO_TRAINERS_BUILD: the build's log; .pid its
-# process, .rc its exit status once it ends.
-TRAINERS_BUILD := $(TITO_TRAINERS_VENV).build.log
-export TITO_TRAINERS_BUILD := $(TRAINERS_BUILD)
+$(1)-bg:
+	@if [ -f $$($(2)_STAMP) ]; then rm -f $$($(2)_BUILD) $$($(2)_BUILD).rc $$($(2)_BUILD).pid; else \
+	  mkdir -p $$(dir $$($(2)_VENV)); rm -f $$($(2)_BUILD).rc; \
+	  ( $$(MAKE) --no-print-directory $(1); echo $$$$? > $$($(2)_BUILD).rc ) > $$($(2)_BUILD) 2>&1 & \
+	  echo $$$$! > $$($(2)_BUILD).pid; echo "building $$($(2)_NAME)'s venv in the background: $$($(2)_BUILD)"; fi
+endef
 
-trainers-bg:
-	@if [ -f $(TRAINERS_STAMP) ]; then rm -f $(TRAINERS_BUILD) $(TRAINERS_BUILD).rc $(TRAINERS_BUILD).pid; else \
-	  mkdir -p $(dir $(TRAINERS_VENV)); rm -f $(TRAINERS_BUILD).rc; \
-	  ( $(MAKE) --no-print-directory trainers; echo $$? > $(TRAINERS_BUILD).rc ) > $(TRAINERS_BUILD) 2>&1 & \
-	  echo $$! > $(TRAINERS_BUILD).pid; echo "building SkyRL's venv in the background: $(TRAINERS_BUILD)"; fi
+# SkyRL 0.4's clients, for tests/test_trainers.py: SkyRL needs Python >= 3.12 (its pydantic models refuse 3.11). No
+# CPU torch wheel exists for 3.12 here, so torch is PyPI's CUDA build, whose libtorch_cuda.so (loaded by `import torch`
+# even on a CPU) links most CUDA libraries: the pinned list leaves out only what nothing loads (triton, cusolver, cupti,
+# nvtx, cuda-bindings: ~1 GB of 5.3).
+TRAINERS_VENV    ?= $(HOME)/.cache/tito/venv-trainers
+TRAINERS_PYTHON  ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+TRAINERS_REQS    := tests/trainer_clients/skyrl-requirements.txt
+TRAINERS_IMPORTS := torch, skyrl.backends.skyrl_train.inference_servers.remote_inference_client, skyrl.backends.skyrl_train.weight_sync.control_plane
+TRAINERS_NAME    := SkyRL
+$(eval $(call client_venv,trainers,TRAINERS))
 
-# AReaL 1.0.4's RemotevLLMEngine, for tests/test_areal.py: a venv of its own (AReaL's requirements list ~90 packages,
-# ray, litellm and CUDA torch among them). Python 3.11, so torch is the CPU wheel; the pinned list is what its import
-# really needs, installed with --no-deps. Same stamp and background-build scheme as SkyRL's.
-AREAL_VENV   ?= $(HOME)/.cache/tito/venv-areal
-AREAL_PYTHON ?= $(PYTHON)
-AREAL_REQS   := tests/trainer_clients/areal-requirements.txt
-AREAL_STAMP  := $(AREAL_VENV)/.installed-$(firstword $(shell sha256sum $(AREAL_REQS)))
-export TITO_AREAL_VENV := $(abspath $(AREAL_VENV))
-
-$(AREAL_STAMP):
-	mkdir -p $(dir $(AREAL_VENV))
-	$(AREAL_PYTHON) -m venv --clear $(AREAL_VENV)
-	$(AREAL_VENV)/bin/pip install -q --no-deps -r $(AREAL_REQS)
-	$(AREAL_VENV)/bin/python -c "import torch, areal.engine.vllm_remote, areal.engine.core.distributed"
-	touch $(AREAL_VENV)/.installed $@
-
-areal: $(AREAL_STAMP)
-
-AREAL_BUILD := $(TITO_AREAL_VENV).build.log
-export TITO_AREAL_BUILD := $(AREAL_BUILD)
-
-areal-bg:
-	@if [ -f $(AREAL_STAMP) ]; then rm -f $(AREAL_BUILD) $(AREAL_BUILD).rc $(AREAL_BUILD).pid; else \
-	  mkdir -p $(dir $(AREAL_VENV)); rm -f $(AREAL_BUILD).rc; \
-	  ( $(MAKE) --no-print-directory areal; echo $$? > $(AREAL_BUILD).rc ) > $(AREAL_BUILD) 2>&1 & \
-	  echo $$! > $(AREAL_BUILD).pid; echo "building AReaL's venv in the background: $(AREAL_BUILD)"; fi
+# AReaL 1.0.4's RemotevLLMEngine, for tests/test_areal.py (AReaL's requirements list ~90 packages, ray, litellm and
+# CUDA torch among them). Python 3.11, so torch is the CPU wheel; the pinned list is what its import really needs.
+AREAL_VENV    ?= $(HOME)/.cache/tito/venv-areal
+AREAL_PYTHON  ?= $(PYTHON)
+AREAL_REQS    := tests/trainer_clients/areal-requirements.txt
+AREAL_IMPORTS := torch, areal.engine.vllm_remote, areal.engine.core.distributed
+AREAL_NAME    := AReaL
+$(eval $(call client_venv,areal,AREAL))
 
 install: $(VENV)/.installed-cpu
 
@@ -113,8 +101,8 @@ serve: $(VENV)/.installed-cpu $(MODEL)/config.json
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check app routers tests scripts
-	$(BIN)/mypy app routers
+	$(BIN)/ruff check app routers tito tests scripts
+	$(BIN)/mypy app routers tito
 	$(BIN)/python scripts/gen_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 

@@ -2,7 +2,7 @@
 shapes its answer; what it does is in the service layer (``app.server``), shared with gRPC.
 
 Imports: ``app.core``, ``app.engine``, ``app.weights``, ``app.server``; routers speak HTTP and import no vLLM. Nothing
-under app/ imports them but ``app.main``, which mounts them.
+under app/ imports them; ``tito.main`` (the composition root) mounts them.
 """
 
 from __future__ import annotations

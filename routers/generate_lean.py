@@ -1,5 +1,5 @@
 """The generate route's lean path: ``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app
-(app/main.py ``TitoApp``), doing what the middleware stack and FastAPI's routing do for that route.
+(tito/main.py ``TitoApp``), doing what the middleware stack and FastAPI's routing do for that route.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from routers.generate import Out, serve_generate
 
 
 class Lean:
-    """``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app (app/main.py ``TitoApp``):
+    """``POST /inference/v1/generate`` as one ASGI callable in front of the FastAPI app (tito/main.py ``TitoApp``):
     what the middleware stack and FastAPI's routing did for this route, in the same order and with the same answers,
     with none of their per-request layers (request counter, API key, body limit, exception wrappers, routing,
     dependency injection, ``Request``/``Response`` objects). tests/test_http_bytes.py holds both paths to the same
@@ -59,7 +59,7 @@ class Lean:
             await send_api_error(answer.sender(), e)
         except Exception as e:
             if not answer.started:
-                # What FastAPI's handler of last resort answers (app/main.py): no stack trace reaches the client.
+                # What FastAPI's handler of last resort answers (tito/main.py): no stack trace reaches the client.
                 logging.getLogger("tito").error("unhandled error", exc_info=e)
                 answer.status = 500
                 await send_api_error(answer.sender(), ApiError(500, f"internal error: {type(e).__name__}"))

@@ -110,6 +110,14 @@ async def _unless_disconnected(request: Request, state: AppState, aw: Any) -> An
     return answer
 
 
+async def _at_once(request: Request, state: AppState, call: str, *extra: Any) -> Response:
+    """Render, (de)tokenize, count tokens: vLLM's handler answers at once and generates nothing, so no admission or
+    in-flight slot, but the engine must be alive."""
+    body = await _body(request, state)
+    state.check_engine()
+    return _json(await getattr(await state.openai_layer(), call)(request, body, *extra))
+
+
 @router.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_body_schema("CompletionRequest"),
              summary="vLLM's completions: token-id prompts (text with a tokenizer), n, logprobs, echo, streaming")
 async def completions(request: Request, state: AppState = Depends(get_state)) -> Response:
@@ -127,25 +135,19 @@ async def chat_completions(request: Request, state: AppState = Depends(get_state
              openapi_extra=_body_schema("ChatCompletionRequest"),
              summary="vLLM's render: a chat as the token request /inference/v1/generate takes (no generation)")
 async def render_chat(request: Request, state: AppState = Depends(get_state)) -> Response:
-    body = await _body(request, state)
-    state.check_engine()
-    return _json(await (await state.openai_layer()).render_chat(request, body))
+    return await _at_once(request, state, "render_chat")
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=_body_schema("TokenizeRequest"),
              summary="vLLM's tokenize: text or chat messages to token ids (needs the model's tokenizer)")
 async def tokenize(request: Request, state: AppState = Depends(get_state)) -> Response:
-    body = await _body(request, state)
-    state.check_engine()
-    return _json(await (await state.openai_layer()).tokenize(request, body))
+    return await _at_once(request, state, "tokenize")
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=_body_schema("DetokenizeRequest"),
              summary="vLLM's detokenize: token ids to text (needs the model's tokenizer)")
 async def detokenize(request: Request, state: AppState = Depends(get_state)) -> Response:
-    body = await _body(request, state)
-    state.check_engine()
-    return _json(await (await state.openai_layer()).detokenize(request, body, state.limits))
+    return await _at_once(request, state, "detokenize", state.limits)
 
 
 @router.post("/v1/responses", responses=ERROR_RESPONSES,
@@ -163,6 +165,4 @@ async def messages(request: Request, state: AppState = Depends(get_state)) -> Re
 @router.post("/v1/messages/count_tokens", responses=ERROR_RESPONSES,
              summary="vLLM's Anthropic count_tokens: the prompt's length under the chat template")
 async def count_tokens(request: Request, state: AppState = Depends(get_state)) -> Response:
-    body = await _body(request, state)
-    state.check_engine()
-    return _json(await (await state.openai_layer()).count_tokens(request, body))
+    return await _at_once(request, state, "count_tokens")

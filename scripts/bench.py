@@ -5,7 +5,7 @@ Round after round, each system is started fresh on the same model and engine set
 share the CPU), and driven through the same workloads:
 
     inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
-    tito       ``python -m app serve``
+    tito       ``python -m tito serve``
     base       tito from another checkout (``--base DIR``, e.g. main's): a change against its base, in one run
     vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
     matched    inprocess again, beside a CPU burner as large as the CPU tito's HTTP layer and load generator took in
@@ -298,9 +298,10 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
 
 
 def from_checkout(cmd: list[str], base: str) -> list[str]:
-    """``tito_cmd``'s command importing tito from the checkout ``base`` instead of this one."""
-    return [cmd[0], "-c", f"import sys; sys.path.insert(0, {base!r}); from app.cli import main; "
-                          "raise SystemExit(main())", *cmd[3:]]
+    """``tito_cmd``'s command importing tito from the checkout ``base`` instead of this one (whose command lives in
+    ``tito.cli``, or ``app.cli`` in checkouts before the composition root moved out of ``app``)."""
+    return [cmd[0], "-c", f"import sys\nsys.path.insert(0, {base!r})\ntry:\n    from tito.cli import main\n"
+                          "except ImportError:\n    from app.cli import main\nraise SystemExit(main())", *cmd[3:]]
 
 
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
@@ -316,7 +317,7 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
     port = free_port()
     if system in ("tito", "base"):
         cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *tito_args)
-        if system == "base":
+        if system == "base":  # the same command, importing tito from the other checkout
             assert base is not None
             cmd = from_checkout(cmd, base)
     else:

@@ -149,7 +149,7 @@ def main() -> int:
     procs: list[Proc] = []
     try:
         port, grpc_port, fport = free_port(), free_port(), free_port()
-        tito = Proc([sys.executable, "-m", "app", "serve", "--model", ns.model, "--served-model-name", "tiny",
+        tito = Proc([sys.executable, "-m", "tito", "serve", "--model", ns.model, "--served-model-name", "tiny",
                      "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32"],
                     f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
         procs.append(tito)

@@ -148,14 +148,14 @@ def _serve(system: str, port: int, extra: list[str], sock: Any) -> None:
     import vllm.sampling_params  # noqa: F401 - imported once the real engine is up; never inside a measured request
 
     from app.core.settings import Settings
-    from app.main import create_app
+    from tito.main import create_app
 
     engine = _bench_engine()
     if system == "bare":
         app = bare_app(engine)
     else:
         argv = ["--model", "/models/fake", "--port", str(port), "--warmup", "false", *extra]
-        from app.cli import build_parser
+        from tito.cli import build_parser
 
         ns = build_parser().parse_args(["serve", *argv])
         app = create_app(Settings.from_args(ns), engine=engine)

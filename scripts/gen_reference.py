@@ -35,9 +35,9 @@ def _cell(text: str) -> str:
 
 def routes_block() -> str:
     from app.core.settings import Settings
-    from app.main import create_app
     from app.server.security import classify
     from tests.fake_engine import FakeEngine
+    from tito.main import create_app
 
     app = create_app(Settings.build(env={}, model="/models/fake"), engine=FakeEngine())  # type: ignore[arg-type]
     schema = app.openapi()
@@ -58,7 +58,7 @@ def routes_block() -> str:
 
 
 # Modules that declare Prometheus families outside app/core/metrics.py; optional ones may lack their extra.
-METRIC_MODULES = ("app.core.metrics", "app.main", "app.weights.staging")
+METRIC_MODULES = ("app.core.metrics", "tito.main", "app.weights.staging")
 OPTIONAL_METRIC_MODULES = ("app.grpc.status",)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.engine.adapter import EngineDead, EngineRejected, ModelFacts
+from app.engine.worker_calls import WorkerCalls
 
 # The limits of the tiny test model (app/tiny/model.py), so the real-engine tests' bad-input cases apply unchanged.
 FACTS = ModelFacts(name="fake-model", path="/models/fake", dtype="float32", max_model_len=512, vocab_size=512,
@@ -59,7 +60,9 @@ class FakeLora:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(WorkerCalls):
+    """The broadcast and AReaL calls are the adapter's own (``WorkerCalls``), recorded by ``collective_rpc``."""
+
     facts: ModelFacts = FACTS
     # While cleared, generation waits after its first token (tests that must act while requests run).
     gate: asyncio.Event = field(default_factory=asyncio.Event)
@@ -224,19 +227,7 @@ class FakeEngine:
 
     async def load_checkpoint(self, files: list[str], skip: list[str]) -> list[Any]:
         self._delta_version = None
-        return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
-
-    async def init_broadcaster(self, **kw: Any) -> list[Any]:
-        return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)
-
-    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float) -> list[Any]:
-        return await self.collective_rpc("tito_receive_broadcast", kwargs={"expected": expected, "timeout": timeout})
-
-    async def close_broadcaster(self) -> list[Any]:
-        return await self.collective_rpc("tito_close_broadcaster")
-
-    async def areal(self, step: str, **kw: Any) -> list[Any]:  # AReaL's sync steps, as the workers' RPCs
-        return await self.collective_rpc(f"tito_areal_{step}", kwargs=kw)
+        return await super().load_checkpoint(files, skip)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init_weight_transfer_engine", init_info))

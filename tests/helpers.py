@@ -144,7 +144,7 @@ class ServerProcess:
 
 
 def tito_cmd(model: str | Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
+    return [sys.executable, "-m", "tito", "serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
             *extra]
 
 

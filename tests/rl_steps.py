@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from app.tiny.model import TINY_CONFIG
-from tests.helpers import metric_value
+from tests.helpers import ServerProcess, metric_value, restore_server
 
 GEN = "/inference/v1/generate"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42, 9]]
@@ -178,3 +181,27 @@ def start_endless(client: httpx.Client, url: str, request_id: str, prompt: list[
 def generated_tokens(client: httpx.Client) -> float:
     """Tokens the engine has generated so far (all requests), as the server counts them."""
     return metric_value(client.get("/metrics").text, "vllm:generation_tokens_total") or 0.0
+
+
+def weight_module_fixtures(name: str = "weights", timeout: float = 120.0) -> tuple[Any, Any, Any]:
+    """``root, server, client = weight_module_fixtures()``: the module fixtures of the modules that change weights on
+    the shared long-context server (test_weights.py, test_weights_pause.py, test_broadcast.py): ``root``, a directory
+    ``name`` for their checkpoints; ``server``, the tiny model's weights and a context for the endless requests,
+    nothing else running on it during the module, which puts it back at the end (base weights, resumed, no broadcast
+    group); ``client``, with ``timeout``."""
+
+    @pytest.fixture(scope="module")
+    def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
+        yield long_tito
+        restore_server(long_tito.url, drop_broadcaster=True)
+
+    @pytest.fixture(scope="module")
+    def client(server: ServerProcess) -> Iterator[httpx.Client]:
+        with httpx.Client(base_url=server.url, timeout=timeout) as c:
+            yield c
+
+    return root, server, client

@@ -10,8 +10,8 @@ import httpx
 from starlette.testclient import TestClient
 
 from app.core.settings import Settings
-from app.main import create_app
 from tests.conftest import ADMIN_KEY, DATA_KEY
+from tito.main import create_app
 
 GEN = "/inference/v1/generate"
 GOLDEN = Path(__file__).parent / "golden" / "http_bytes.json"  # the generate route's pinned answers

@@ -52,11 +52,12 @@ def async_client(url: str) -> httpx.AsyncClient:
 async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], first: asyncio.Event | None = None,
                       headers: dict[str, str] | None = None,
                       admitted: asyncio.Event | None = None) -> dict[str, Any]:
-    """Run one SSE generate request to the end: its status, tokens, last finish_reason and error events.
+    """Run one SSE generate request to the end: its status, tokens, last finish_reason, last weight_versions spans
+    and error events.
 
     ``first`` is set at the first event with tokens; ``admitted`` when the 200 status line arrives (tito counts a
     request in flight before it answers with a stream, so this is a server-side fact, even while paused)."""
-    out: dict[str, Any] = {"tokens": [], "finish": None, "errors": [], "done": False}
+    out: dict[str, Any] = {"tokens": [], "finish": None, "spans": None, "errors": [], "done": False}
     async with client.stream("POST", GEN, json=body, headers=headers) as r:
         out["status"] = r.status_code
         if admitted is not None and r.status_code == 200:
@@ -78,7 +79,8 @@ async def read_stream(client: httpx.AsyncClient, body: dict[str, Any], first: as
             for ch in ev["choices"]:
                 out["tokens"] += ch["token_ids"]
                 out["finish"] = ch["finish_reason"] or out["finish"]
-            if first is not None:
+                out["spans"] = ch.get("weight_versions") or out["spans"]
+            if first is not None and out["tokens"]:
                 first.set()
     return out
 

@@ -7,15 +7,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.tiny.model import tiny_state_dict
-from tests.helpers import ROOT, ServerProcess, engine_env, free_port, restore_server
-from tests.rl_steps import PROMPTS, Background, greedy, reference_greedy
+from tests.helpers import ROOT, engine_env, free_port
+from tests.rl_steps import PROMPTS, Background, greedy, reference_greedy, weight_module_fixtures
 
 pytestmark = pytest.mark.engine
 
@@ -64,22 +63,7 @@ class Sender:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("bcast")
-
-
-@pytest.fixture(scope="module")
-def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
-    """The shared long-context server (the tiny model's weights); put back at the end: base weights, no group."""
-    yield long_tito
-    restore_server(long_tito.url, drop_broadcaster=True)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=300.0) as c:
-        yield c
+root, server, client = weight_module_fixtures("bcast", timeout=300.0)  # the long-context server, put back at the end
 
 
 def init(client: httpx.Client, port: int, **kw: object) -> httpx.Response:

@@ -25,7 +25,7 @@ COMMANDS = ["serve", "make-tiny-model", "generate", "status", "drain", "undrain"
 def tito(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TITO_")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tito", *args], capture_output=True, text=True, cwd=ROOT,
                           env=full_env, timeout=timeout)
 
 

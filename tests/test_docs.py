@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
 from app.core.settings import FLAGS
 from tests.helpers import ROOT
+from tito.cli import build_parser
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -106,7 +106,7 @@ def test_every_tito_command_is_documented():
 
 def test_tito_variables_exist():
     known = {f.env for f in FLAGS}
-    for where in ("app", "routers", "tests", "scripts"):
+    for where in ("app", "routers", "tito", "tests", "scripts"):
         for source in (ROOT / where).rglob("*.py"):
             known |= set(re.findall(r"TITO_[A-Z0-9_]+", source.read_text()))
     for name in ("Makefile", "Dockerfile"):
@@ -118,8 +118,8 @@ def test_tito_variables_exist():
 
 def test_api_table_routes_are_served():
     from app.core.settings import Settings
-    from app.main import create_app
     from tests.fake_engine import FakeEngine
+    from tito.main import create_app
 
     app = create_app(Settings.build(env={}, model="/models/fake"), engine=FakeEngine())  # type: ignore[arg-type]
     served = {getattr(r, "path", None) for r in app.routes}

@@ -137,7 +137,7 @@ def test_engine_death_stays_up_for_inspection(ending_server: ServerProcess) -> N
     log_start = len(s.log_text())
     seen = asyncio.run(_kill_and_observe(s, 2))
     _check_dead(seen)
-    # The watcher's decision (app/main.py): it logs that it stays up where it would otherwise schedule the exit.
+    # The watcher's decision (tito/main.py): it logs that it stays up where it would otherwise schedule the exit.
     deadline = time.monotonic() + 30
     while "staying up for inspection" not in s.log_text()[log_start:]:
         assert time.monotonic() < deadline and s.proc.poll() is None, s.log_tail()

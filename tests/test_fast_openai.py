@@ -141,7 +141,7 @@ async def test_a_client_that_leaves_a_completion_is_cancelled_and_frees_its_slot
     its completion runs cancels the call (the generation never finishes: its gate stays shut), its in-flight slot is
     released, and the answer nobody reads is 499."""
     from app.core.settings import Settings
-    from app.main import create_app
+    from tito.main import create_app
 
     eng = FakeEngine()
     eng.gate.clear()  # the generation waits after its first token until the test ends

@@ -2,8 +2,8 @@
 and messages, the server and model metadata, Abort and drain. KV events, the smg gateway and SIGTERM:
 test_grpc_events.py; keys: test_grpc_auth.py (smg sends none to gRPC workers).
 
-Two replicas (tests/conftest.py): ``a`` (KV events) serves every test, ``b`` (the default server's gRPC port: no KV
-events, no LoRA) the checks of vllm.Inference without LoRA.
+Two replicas (tests/conftest.py): ``grpc_a`` (KV events) serves every test, ``grpc_b`` (the default server's gRPC
+port: no KV events, no LoRA) the checks of vllm.Inference without LoRA.
 """
 
 from __future__ import annotations
@@ -32,16 +32,6 @@ pytestmark = pytest.mark.engine
 PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302], [5, 6, 7, 8, 9, 10, 11, 12]]
 
 
-@pytest.fixture(scope="module")
-def a(grpc_a: Replica) -> Replica:
-    return grpc_a
-
-
-@pytest.fixture(scope="module")
-def b(grpc_b: Replica) -> Replica:
-    return grpc_b
-
-
 def _http(r: Replica, body: dict[str, Any]) -> dict[str, Any]:
     with r.http() as c:
         resp = c.post(GEN, json=body)
@@ -57,11 +47,12 @@ def _f32(xs: list[float]) -> list[float]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_greedy_tokens_and_logprobs_match_http(a: Replica, stream: bool) -> None:
-    stub = a.stub()
+def test_greedy_tokens_and_logprobs_match_http(grpc_a: Replica, stream: bool) -> None:
+    stub = grpc_a.stub()
     for ids in PROMPTS:
-        http = _http(a, {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True,
-                                                                "logprobs": 3, "prompt_logprobs": 1}})
+        http = _http(grpc_a, {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 24,
+                                                                     "ignore_eos": True, "logprobs": 3,
+                                                                     "prompt_logprobs": 1}})
         choice = http["choices"][0]
         got = collect(stub.Generate(gen_request(ids, 24, stream=stream, logprobs=3, prompt_logprobs=1,
                                                 ignore_eos=True)))
@@ -82,23 +73,23 @@ def test_greedy_tokens_and_logprobs_match_http(a: Replica, stream: bool) -> None
         assert got["prompt_lp"] == want
 
 
-def test_vllm_inference_prompt_logprobs_match_http(b: Replica) -> None:
+def test_vllm_inference_prompt_logprobs_match_http(grpc_b: Replica) -> None:
     """vllm.Inference (the Dynamo sidecar's service) on the same port, on a replica without LoRA: the prompt's logprobs
     and ranks equal HTTP's (the LoRA sidecar replicas refuse prompt logprobs, test_sidecar_grpc.py)."""
-    with httpx.Client(base_url=b.url, timeout=120) as http:
+    with httpx.Client(base_url=grpc_b.url, timeout=120) as http:
         for ids in PROMPTS[:2]:
-            stream_matches_http(b.server, http, ids, prompt_logprobs=True, model="")
+            stream_matches_http(grpc_b.server, http, ids, prompt_logprobs=True, model="")
 
 
-def test_n_samples_and_seeded_sampling_match_http(a: Replica) -> None:
+def test_n_samples_and_seeded_sampling_match_http(grpc_a: Replica) -> None:
     ids = PROMPTS[0]
-    http = _http(a, {"token_ids": ids, "sampling_params": {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 2,
+    http = _http(grpc_a, {"token_ids": ids, "sampling_params": {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 2,
                                                             "ignore_eos": True}})
     want = {c["index"]: c["token_ids"] for c in http["choices"]}
     req = gen_request(ids, 12, ignore_eos=True, n=2, seed=7)
     req.sampling_params.temperature = 1.0
     got: dict[int, list[int]] = {}
-    for r in a.stub().Generate(req):
+    for r in grpc_a.stub().Generate(req):
         got[r.complete.index] = list(r.complete.output_ids)
     assert got == want and len(got) == 2
 
@@ -123,24 +114,24 @@ BAD: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize(("case", "proto", "body"), BAD, ids=[c for c, _, _ in BAD])
-def test_bad_input_is_invalid_argument_with_the_http_message(a: Replica, case: str, proto: dict[str, Any],
+def test_bad_input_is_invalid_argument_with_the_http_message(grpc_a: Replica, case: str, proto: dict[str, Any],
                                                               body: dict[str, Any]) -> None:
     proto = dict(proto)
     ids = proto.pop("ids", [1, 2, 3])
     max_tokens = proto.pop("max_tokens", 4)
     http_body = {"token_ids": [1, 2, 3], **body}
     http_body["sampling_params"] = {"max_tokens": max_tokens, **body.get("sampling_params", {})}
-    with a.http() as c:
+    with grpc_a.http() as c:
         r = c.post(GEN, json=http_body)
     assert r.status_code == 400, r.text
     req = gen_request(ids, max_tokens, **proto)
-    code, details = code_of(lambda: a.stub().Generate(req))
+    code, details = code_of(lambda: grpc_a.stub().Generate(req))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert details == r.json()["error"]["message"]
 
 
-def test_text_and_multimodal_input_are_refused_and_the_engine_keeps_serving(a: Replica) -> None:
-    stub = a.stub()
+def test_text_and_multimodal_input_are_refused_and_the_engine_keeps_serving(grpc_a: Replica) -> None:
+    stub = grpc_a.stub()
     code, details = code_of(lambda: stub.Generate(pb.GenerateRequest(text="hello")))
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "tokenizer" in details
     mm = gen_request([1, 2, 3], 4)
@@ -151,7 +142,7 @@ def test_text_and_multimodal_input_are_refused_and_the_engine_keeps_serving(a: R
     code, details = code_of(lambda: stub.Generate(trunc))
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "truncate_prompt_tokens" in details
     assert len(collect(stub.Generate(gen_request([1, 2, 3], 4, ignore_eos=True)))["tokens"]) == 4
-    with a.http() as c:
+    with grpc_a.http() as c:
         text = c.get("/metrics").text
     assert (metric_value(text, "tito_grpc_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"})
             or 0) >= 3
@@ -160,15 +151,15 @@ def test_text_and_multimodal_input_are_refused_and_the_engine_keeps_serving(a: R
 # --------------------------------------------------------------------------------------------------- metadata
 
 
-def test_server_and_model_info_carry_what_server_info_says(a: Replica) -> None:
-    stub = a.stub()
-    with a.http() as c:
+def test_server_and_model_info_carry_what_server_info_says(grpc_a: Replica) -> None:
+    stub = grpc_a.stub()
+    with grpc_a.http() as c:
         http = c.get("/server_info").json()
     info, call = stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
     carried = json.loads(dict(call.trailing_metadata())["tito-server-info"])
     for key in ("model", "parallelism", "features"):
         assert carried[key] == http[key]
-    assert carried["server"]["grpc_port"] == http["server"]["grpc_port"] == a.grpc_port
+    assert carried["server"]["grpc_port"] == http["server"]["grpc_port"] == grpc_a.grpc_port
     assert carried["state"]["ready"] is True and carried["state"]["draining"] is False
     assert info.data_parallel_size == http["parallelism"]["data_parallel_size"]
     assert info.max_num_seqs == http["model"]["max_num_seqs"]
@@ -193,52 +184,52 @@ def test_server_and_model_info_carry_what_server_info_says(a: Replica) -> None:
 
 
 @TIMING
-def test_abort_ends_a_running_stream_with_its_partial_tokens(a: Replica) -> None:
-    stub = a.stub()
+def test_abort_ends_a_running_stream_with_its_partial_tokens(grpc_a: Replica) -> None:
+    stub = grpc_a.stub()
     call = stub.Generate(gen_request([1, 2, 3, 4], 400, stream=True, request_id="grpc-abort-1", ignore_eos=True))
     first = next(call)
     assert len(first.chunk.token_ids) >= 1
-    admin_call(a, "POST", "/pause", params={"mode": "keep"})  # frozen: only the abort can end it now
+    admin_call(grpc_a, "POST", "/pause", params={"mode": "keep"})  # frozen: only the abort can end it now
     try:
         stub.Abort(pb.AbortRequest(request_ids=["grpc-abort-1"]))
         got = collect(call)
     finally:
-        admin_call(a, "POST", "/resume")
+        admin_call(grpc_a, "POST", "/resume")
     tokens = list(first.chunk.token_ids) + got["tokens"]
     assert got["finish"] == "abort"
     assert 1 <= len(tokens) < 400
-    until(lambda: health_of(a)["inflight"] == 0)
+    until(lambda: health_of(grpc_a)["inflight"] == 0)
 
 
 @TIMING
-def test_abort_ends_a_running_unary_call(a: Replica) -> None:
-    stub = a.stub()
+def test_abort_ends_a_running_unary_call(grpc_a: Replica) -> None:
+    stub = grpc_a.stub()
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(lambda: collect(stub.Generate(
             gen_request([1, 2, 3, 4], 400, request_id="grpc-abort-2", ignore_eos=True))))
-        until(lambda: health_of(a)["inflight"] >= 1)  # admitted and counted, as an HTTP request is
-        admin_call(a, "POST", "/pause", params={"mode": "keep"})
+        until(lambda: health_of(grpc_a)["inflight"] >= 1)  # admitted and counted, as an HTTP request is
+        admin_call(grpc_a, "POST", "/pause", params={"mode": "keep"})
         try:
             stub.Abort(pb.AbortRequest(request_ids=["generate-tokens-grpc-abort-2"]))
             got = fut.result(60)
         finally:
-            admin_call(a, "POST", "/resume")
+            admin_call(grpc_a, "POST", "/resume")
     assert got["finish"] == "abort" and len(got["tokens"]) < 400
     assert got["completion_tokens"] == len(got["tokens"])
 
 
 @TIMING
-def test_drain_counts_grpc_requests_and_refuses_new_ones(a: Replica) -> None:
-    stub = a.stub()
-    health = health_pb2_grpc.HealthStub(a.channel())
+def test_drain_counts_grpc_requests_and_refuses_new_ones(grpc_a: Replica) -> None:
+    stub = grpc_a.stub()
+    health = health_pb2_grpc.HealthStub(grpc_a.channel())
     call = stub.Generate(gen_request([1, 2, 3, 4], 400, stream=True, request_id="grpc-drain", ignore_eos=True))
     next(call)
-    admin_call(a, "POST", "/pause", params={"mode": "keep"})
+    admin_call(grpc_a, "POST", "/pause", params={"mode": "keep"})
     try:
         # The drain waits for the gRPC request as for an HTTP one: it is still running when the wait times out.
-        drained = admin_call(a, "POST", "/drain", json={"timeout": 0.5}).json()
+        drained = admin_call(grpc_a, "POST", "/drain", json={"timeout": 0.5}).json()
         assert drained["status"] == "timeout" and drained["still_running"] == 1, drained
-        with a.http() as c:
+        with grpc_a.http() as c:
             assert metric_value(c.get("/metrics").text, "tito_inflight_requests") == 1
         code, details = code_of(lambda: stub.Generate(gen_request([1, 2], 2)))
         assert code is grpc.StatusCode.UNAVAILABLE and "draining" in details
@@ -246,10 +237,10 @@ def test_drain_counts_grpc_requests_and_refuses_new_ones(a: Replica) -> None:
         check = stub.HealthCheck(pb.HealthCheckRequest())
         assert not check.healthy and check.message == "draining"
     finally:
-        admin_call(a, "POST", "/resume")
+        admin_call(grpc_a, "POST", "/resume")
     got = collect(call)  # the admitted request finishes normally during the drain
     assert got["finish"] == "length"
-    until(lambda: health_of(a)["inflight"] == 0)
-    admin_call(a, "DELETE", "/drain")
+    until(lambda: health_of(grpc_a)["inflight"] == 0)
+    admin_call(grpc_a, "DELETE", "/drain")
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
     assert len(collect(stub.Generate(gen_request([1, 2], 2, ignore_eos=True)))["tokens"]) == 2

@@ -2,8 +2,8 @@
 request shapes together, the real smg gateway serving ``/v1/completions`` through two tito replicas over gRPC, and
 SIGTERM letting gRPC requests finish.
 
-The replicas ``a`` and ``b`` of test_grpc.py (tests/conftest.py: ``b`` is the default server's gRPC port); the SIGTERM
-test ends ``b`` (it runs after the last other test using the default server).
+The replicas ``grpc_a`` and ``grpc_b`` of test_grpc.py (tests/conftest.py: ``grpc_b`` is the default server's gRPC
+port); the SIGTERM test ends that server (it runs after the last other test using the default server).
 """
 
 from __future__ import annotations
@@ -30,16 +30,6 @@ from tests.helpers import TIMING, ServerProcess, metric_value
 from tests.sweep import fire, shapes
 
 pytestmark = pytest.mark.engine
-
-@pytest.fixture(scope="module")
-def a(grpc_a: Replica) -> Replica:
-    return grpc_a
-
-
-@pytest.fixture(scope="module")
-def b(grpc_b: Replica) -> Replica:
-    return grpc_b
-
 
 # --------------------------------------------------------------------------------------------------- KV events
 
@@ -86,10 +76,10 @@ def _blocks(ids: list[int]) -> list[list[int]]:
     return [ids[i:i + BLOCK] for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK)]
 
 
-def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Replica, b: Replica) -> None:
+def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(grpc_a: Replica, grpc_b: Replica) -> None:
     rng = np.random.default_rng(int(time.time()))
-    stub = a.stub()
-    sub = _Subscription(a)
+    stub = grpc_a.stub()
+    sub = _Subscription(grpc_a)
     try:
         # The stream's ZMQ subscription joins asynchronously: one short request until the stream carries events.
         for _ in range(5):
@@ -120,7 +110,7 @@ def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Repli
         seqs = [x.sequence_number for x in sub.batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # the publisher's numbers, consecutive
         # Resuming from a sequence replays the same batches from the engine's buffer, then goes on live.
-        again = _Subscription(a, start=new[0].sequence_number)
+        again = _Subscription(grpc_a, start=new[0].sequence_number)
         try:
             until(lambda: len(again.batches) >= len(new), timeout=30)
             assert [_no_ids(x) for x in again.batches[:len(new)]] == [_no_ids(x) for x in new]
@@ -131,31 +121,32 @@ def test_kv_events_stream_the_prompts_blocks_and_resume_from_a_sequence(a: Repli
     assert sub.error is not None and sub.error.code() is grpc.StatusCode.CANCELLED
 
     def cancelled() -> float:
-        with a.http() as c:
+        with grpc_a.http() as c:
             return metric_value(c.get("/metrics").text, "tito_grpc_requests_total",
                                 {"method": "SubscribeKvEvents", "code": "CANCELLED"}) or 0.0
 
     until(lambda: cancelled() >= 2, timeout=30)  # both server-side streams ended (their sockets closed)
     # A cursor beyond what the engine published (a subscriber from before an engine restart): refused at the
     # next batch, not skipped silently.
-    ahead = a.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9), timeout=120)
+    ahead = grpc_a.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9),
+                                            timeout=120)
     ahead.initial_metadata()
     collect(stub.Generate(gen_request([int(t) for t in rng.integers(3, 500, BLOCK + 1)], 1)))
     code, details = code_of(lambda: list(ahead))
     assert code is grpc.StatusCode.OUT_OF_RANGE and "start_sequence_number 0" in details, details
     # Without --kv-events-port: said at once, naming the flag (smg then stops subscribing to that worker).
     t0 = time.monotonic()
-    code, details = code_of(lambda: list(b.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())))
+    code, details = code_of(lambda: list(grpc_b.stub().SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())))
     assert code is grpc.StatusCode.UNIMPLEMENTED and "--kv-events-port" in details
     assert time.monotonic() - t0 < 10
 
 
-def test_trainer_request_shapes_together_keep_the_engine_publishing(a: Replica) -> None:
+def test_trainer_request_shapes_together_keep_the_engine_publishing(grpc_a: Replica) -> None:
     """The request-shape sweep on the KV-events configuration, a subscriber reading along: the engine serves after and
     published the sweep's blocks (the 200-token prompt fills whole blocks)."""
-    sub = _Subscription(a)
+    sub = _Subscription(grpc_a)
     try:
-        fire(a.url, shapes())
+        fire(grpc_a.url, shapes())
         until(lambda: len(sub.stored()) > 0, timeout=30)
     finally:
         sub.close()
@@ -165,16 +156,16 @@ def test_trainer_request_shapes_together_keep_the_engine_publishing(a: Replica) 
 # --------------------------------------------------------------------------------------------------- smg gateway
 
 
-def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Replica, tiny_model: Path,
+def test_smg_gateway_serves_completions_through_two_replicas(grpc_a: Replica, grpc_b: Replica, tiny_model: Path,
                                                              tmp_path: Path) -> None:
     def generates(r: Replica) -> float:
         with r.http() as c:
             return metric_value(c.get("/metrics").text, "tito_grpc_requests_total",
                                 {"method": "Generate", "code": "OK"}) or 0.0
 
-    before = [generates(a), generates(b)]
+    before = [generates(grpc_a), generates(grpc_b)]
     # The embedded model ships its tokenizer (app/tiny/tokenizer.py): smg tokenizes with it.
-    smg = start_smg([a, b], tiny_model, tmp_path / "smg.log")
+    smg = start_smg([grpc_a, grpc_b], tiny_model, tmp_path / "smg.log")
     try:
         words = ["the quick brown fox", "hello world", "token in token out", "a tiny model", "hello tito"]
         bodies = [{"model": str(tiny_model), "prompt": f"{words[i % len(words)]} {i}", "max_tokens": 8,
@@ -197,18 +188,18 @@ def test_smg_gateway_serves_completions_through_two_replicas(a: Replica, b: Repl
                 assert out["choices"][0]["finish_reason"] in ("length", "stop")
                 assert out["usage"]["completion_tokens"] >= 1
 
-        def applied() -> float:  # KV-event batches smg's index took from a's stream (b has none: UNIMPLEMENTED)
+        def applied() -> float:  # KV-event batches smg's index took from grpc_a's stream (grpc_b has none)
             text = httpx.get(smg.metrics_url, timeout=10).text  # type: ignore[attr-defined]
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("smg_kv_event_batches_total{") and '"applied"' in line)
 
         # A prompt of a few KV blocks on replica a (whichever replica smg picked above): a publishes its blocks on
         # the SubscribeKvEvents stream smg holds, and smg's index applies them.
-        collect(a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
+        collect(grpc_a.stub().Generate(gen_request([int(t) for t in np.arange(3, 3 + 3 * BLOCK)], 2)))
         until(lambda: applied() > 0, timeout=60)
     finally:
         smg.kill()
-    after = [generates(a), generates(b)]
+    after = [generates(grpc_a), generates(grpc_b)]
     served = [x - y for x, y in zip(after, before, strict=True)]
     served[0] -= 1  # the direct Generate on a
     assert sum(served) >= 36 and all(n > 0 for n in served), served

@@ -26,11 +26,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from app.core.settings import Settings
-from app.main import create_app
 from tests.fake_engine import FakeEngine, FakeOutput, until
 from tests.helpers import ROOT
 from tests.security_checks import GOLDEN, HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
+from tito.main import create_app
 
 GEN = "/inference/v1/generate"
 JSON_CT = ("Content-Type", "application/json")

@@ -344,7 +344,7 @@ def test_client_and_cli_images(tito_vlm: ServerProcess, media_dir: Path, tok: An
         out = c.generate(ids, SP, images=[media_dir / "teal.png"])
         by_file = c.generate(ids, SP, images=[(media_dir / "teal.png").as_uri()])  # --allowed-local-media-path
     assert out.token_ids == by_file.token_ids == ref["choices"][0]["token_ids"]
-    cli = subprocess.run([sys.executable, "-m", "app", "generate", "--url", tito_vlm.url, "--tokens",
+    cli = subprocess.run([sys.executable, "-m", "tito", "generate", "--url", tito_vlm.url, "--tokens",
                           ",".join(map(str, ids)), "--max-tokens", "6", "--temperature", "0", "--image",
                           str(media_dir / "teal.png")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr

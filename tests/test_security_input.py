@@ -18,7 +18,6 @@ from app.core.protocol import ApiError, GenerateRequest
 from app.core.settings import Settings
 from app.engine.safe_pickle import UnsafePickleError, restricted_loads
 from app.engine.sampling import Limits, build_sampling_params, check_prompt, configured_limits, min_tokens_refusal
-from app.main import create_app
 from app.weights.paths import allowed_roots, resolve_allowed
 from tests.conftest import ADMIN_KEY
 from tests.security_checks import (
@@ -26,6 +25,7 @@ from tests.security_checks import (
     app_with,
     bearer,
 )
+from tito.main import create_app
 
 # --------------------------------------------------------------------------------------------------- body limit
 

@@ -9,7 +9,6 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from app.core.settings import Settings
-from app.main import create_app
 from app.server.security import Keys, Plane, classify
 from tests.conftest import ADMIN_KEY, DATA_KEY
 from tests.security_checks import (
@@ -20,6 +19,7 @@ from tests.security_checks import (
     assert_past_keys,
     bearer,
 )
+from tito.main import create_app
 
 # --------------------------------------------------------------------------------------------------- planes
 

@@ -22,6 +22,7 @@ from app.tiny.model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import start_tito
 from tests.helpers import ServerProcess, greedy_answer, metric_value
 from tests.rl_steps import GEN, PROMPTS, greedy, write_step
+from tests.streaming import read_stream
 
 pytestmark = pytest.mark.engine
 CONTEXT = 4096
@@ -61,22 +62,9 @@ def seeded(i: int, prompt_len: int, n: int) -> dict:
 
 
 async def _stream(ac: httpx.AsyncClient, body: dict, first: asyncio.Event) -> dict:
-    toks: list[int] = []
-    spans = finish = None
-    async with ac.stream("POST", GEN, json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            for c in ev["choices"]:
-                toks += c["token_ids"]
-                spans = c["weight_versions"] or spans
-                finish = c["finish_reason"] or finish
-            if toks:
-                first.set()
-    return {"tokens": toks, "spans": spans, "finish": finish}
+    out = await read_stream(ac, body, first)
+    assert out["status"] == 200 and not out["errors"], out
+    return out
 
 
 def alive(client: httpx.Client) -> None:

@@ -48,7 +48,6 @@ pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not dynamo_available(), reason="Dynamo (ai-dynamo + ai-dynamo-runtime) is not "
                                  "installed; `make test` installs it")]
 PROMPTS = [[17, 250, 33, 401, 9, 77], [1, 300, 301, 302]]
-EVENTS_S = 1.0  # time for KV events to reach the frontend's router (they take milliseconds on an idle machine)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +187,13 @@ def _counters(s: ServerProcess) -> tuple[float, float]:
             metric_value(text, "vllm:prefix_cache_hits_total") or 0.0)
 
 
+def _stored_events_applied(fe: ServerProcess) -> float:
+    """KV "stored" events the frontend's KV router has applied to its index, over every worker."""
+    text = httpx.get(fe.url + "/metrics", timeout=30).text
+    return metric_value(text, "dynamo_component_kv_cache_events_applied", {"event_type": "stored", "status": "ok"}) \
+        or 0.0
+
+
 def test_kv_router_sends_a_prefix_to_the_replica_that_cached_it(fe: ServerProcess,
                                                                replicas: list[ServerProcess]) -> None:
     """Ten prompts of five KV blocks, each in two versions (same head, another ending). The first version of prompt
@@ -199,9 +205,11 @@ def test_kv_router_sends_a_prefix_to_the_replica_that_cached_it(fe: ServerProces
     for _ in range(10):
         head = [rng.randrange(5, 500) for _ in range(5 * BLOCK)]
         pairs.append([head + [rng.randrange(5, 500) for _ in range(8)] for _ in range(2)])
+    applied = _stored_events_applied(fe)
     for i, (first, _) in enumerate(pairs):
         _tito_greedy(replicas[i % 2], first, 1)
-    time.sleep(EVENTS_S)
+    # Each first version stored its blocks in one event at least: wait until the router's index has applied ten more.
+    wait_for(lambda: _stored_events_applied(fe) >= applied + 10, 60, "the KV events at the frontend's router")
     served, hits = [], []
     for _, second in pairs:
         before = [_counters(s) for s in replicas]

@@ -400,12 +400,15 @@ def test_tito_serve_runs_dynamos_sidecar_for_its_grpc_port() -> None:
     assert "http://rollout-0:8000" in cmd
 
 
-SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
-           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('up', flush=True)\ntime.sleep(60)"]
+def sleeper(up: Path) -> list[str]:
+    """A stand-in sidecar that exits 7 on SIGTERM and creates ``up/<its pid>`` once that handler is installed."""
+    return [sys.executable, "-c", "import os, pathlib, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+            f"pathlib.Path({str(up)!r}, str(os.getpid())).touch()\ntime.sleep(60)"]
 
 
 def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_withdraws_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """app/dynamo/supervisor.py on a stand-in child (the real sidecar: tests/test_sidecar_fleet.py): no start before the
     server is ready; a killed child comes back (counted); withdraw SIGTERMs it and waits; rejoin starts a new one;
     a child that keeps dying is given up after the bounded retries."""
@@ -422,12 +425,27 @@ def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_with
             await asyncio.sleep(0.02)
         raise AssertionError(what)
 
+    turns = [0]
+
+    class CountedLock(asyncio.Lock):
+        """The supervisor's lock, counting its uses: every turn of its watch loop takes it once."""
+
+        async def __aenter__(self) -> None:
+            turns[0] += 1
+            await super().__aenter__()
+
+    async def watched(n: int) -> None:
+        """Until the watch loop has taken ``n`` more turns (what it decided on them is then visible)."""
+        start = turns[0]
+        await until(lambda: turns[0] >= start + n, f"{n} turns of the watch loop")
+
     async def run() -> None:
         sup = sv.SidecarSupervisor(Settings(dynamo_namespace="rl", grpc_port=50051))
-        sup.cmd = SLEEPER
+        sup.cmd = sleeper(tmp_path)
+        sup._lock = CountedLock()
         ready = {"now": False}
         sup.start(lambda: ready["now"])
-        await asyncio.sleep(0.3)
+        await watched(3)
         assert sup.proc is None and sup.info()["sidecar"] == "waiting"
         ready["now"] = True
         await until(lambda: sup.proc is not None, "a start once ready")
@@ -436,12 +454,12 @@ def test_the_sidecar_supervisor_waits_for_ready_restarts_a_dead_sidecar_and_with
         first.kill()
         await until(lambda: sup.proc is not None and sup.proc is not first, "a restart")
         assert sup.info()["restarts"] == 1 and sup.info()["last_exit"]["code"] == -9
-        await asyncio.sleep(0.5)  # its SIGTERM handler is installed
         second = sup.proc
         assert second is not None
+        await until(lambda: (tmp_path / str(second.pid)).exists(), "the SIGTERM handler installed")
         await sup.withdraw("drain")
         assert second.returncode == 7 and sup.info()["sidecar"] == "stopped" and sup.info()["reason"] == "drain"
-        await asyncio.sleep(0.3)
+        await watched(3)
         assert sup.proc is None  # withdrawn: no restart
         sup.rejoin()
         await until(lambda: sup.proc is not None, "a new sidecar after rejoin")

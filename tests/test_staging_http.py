@@ -18,11 +18,11 @@ import pytest
 
 from app.core.protocol import ApiError
 from app.core.settings import Settings
-from app.main import create_app
 from app.tiny.model import make_tiny_model, tiny_state_dict
 from tests import prime_stage_client as prime
 from tests.delta_encoder import BAD_DELTAS, perturb, write_delta
 from tests.fake_engine import FakeEngine
+from tito.main import create_app
 
 
 @pytest.fixture(scope="module")

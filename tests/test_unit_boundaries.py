@@ -13,6 +13,8 @@ from tests.helpers import ROOT
 
 # The engine package: the adapter, the sampling-params builder, code that runs in vLLM's workers.
 ALLOWED = ("app/engine/*.py",)
+# The product's top-level packages: the layers (app/), the HTTP transport (routers/), the composition root (tito/).
+PACKAGES = ("app", "routers", "tito")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def vllm_imports(path: Path) -> list[str]:
 def test_only_the_adapter_imports_vllm():
     offenders = []
     checked = 0
-    for path in sorted([*(ROOT / "app").rglob("*.py"), *(ROOT / "routers").glob("*.py")]):
+    for path in sorted(p for top in PACKAGES for p in (ROOT / top).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if any(fnmatch.fnmatch(rel, pat) for pat in ALLOWED):
             continue
@@ -91,12 +93,11 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    files = [*(ROOT / "app").rglob("*.py"), *(ROOT / "routers").rglob("*.py")]
-    return {_module_name(p): p for p in sorted(files)}
+    return {_module_name(p): p for p in sorted(p for top in PACKAGES for p in (ROOT / top).rglob("*.py"))}
 
 
 def tree_sources() -> dict[str, tuple[str, str]]:
-    """module -> (its package, its source) for every module of app/ and routers/."""
+    """module -> (its package, its source) for every module of app/, routers/ and tito/."""
     return {name: (".".join(path.relative_to(ROOT).parent.parts), path.read_text())
             for name, path in _modules().items()}
 
@@ -106,7 +107,7 @@ def tree_imports(sources: dict[str, tuple[str, str]]) -> dict[str, tuple[Import,
 
 
 def import_graph(sources: dict[str, tuple[str, str]] | None = None) -> dict[str, set[str]]:
-    """module -> the modules of app/ and routers/ it imports, at any level (functions and TYPE_CHECKING too: those
+    """module -> the modules of app/, routers/ and tito/ it imports, at any level (functions, TYPE_CHECKING: those
     are arrows of the design as much as the ones at the top), string imports included. ``from pkg import name``
     names the submodule when ``name`` is one, else the package; a string import names its longest known prefix."""
     sources = tree_sources() if sources is None else sources
@@ -132,10 +133,10 @@ def import_graph(sources: dict[str, tuple[str, str]] | None = None) -> dict[str,
 
 
 def _package_of(module: str) -> str:
-    """``app.weights.lora`` -> ``app.weights``; ``routers.info`` -> ``routers``; ``app.main`` -> ``app.main``."""
+    """``app.weights.lora`` -> ``app.weights``; ``routers.info`` -> ``routers``; ``tito.main`` -> ``tito``."""
     parts = module.split(".")
-    if parts[0] == "routers":
-        return "routers"
+    if parts[0] in ("routers", "tito"):
+        return parts[0]
     return ".".join(parts[:2])
 
 
@@ -156,7 +157,7 @@ def package_violations(graph: dict[str, set[str]], rules: dict[str, set[str]]) -
     for mod, targets in sorted(graph.items()):
         pkg = _package_of(mod)
         if pkg not in rules:
-            continue  # app.main, app.cli, app.__main__: they put the packages together and may import any
+            continue  # tito (the composition root) puts the packages together and may import any
         for t in sorted(targets):
             tpkg = _package_of(t)
             if tpkg != pkg and tpkg != "app" and tpkg not in rules[pkg]:  # "app": the root, __version__ only
@@ -170,15 +171,17 @@ def test_every_package_keeps_its_import_rules():
     assert package_violations(import_graph(), rules) == []
 
 
-# The composition root: ``create_app`` mounts the HTTP routers; no package imports it (app/__init__.py).
-COMPOSITION_ROOT = "app.main"
+# What each top-level package must never import: app/ neither the HTTP transport nor the composition root (``tito``,
+# which mounts the routers), routers/ not the root. No module is exempt.
+ABOVE = {"app": ("routers", "tito"), "routers": ("tito",)}
 
 
-def routers_in_app(imports: dict[str, tuple[Import, ...]]) -> list[str]:
-    """Imports of ``routers`` (HTTP) by a module under app/: a transport (gRPC) or a layer below reaching into HTTP.
-    The service layer (app/server) is where both transports meet."""
+def upward_imports(imports: dict[str, tuple[Import, ...]]) -> list[str]:
+    """Imports that reach up: a module under app/ importing ``routers`` (a transport, gRPC, or a layer below reaching
+    into HTTP: the service layer in app/server is where both transports meet) or ``tito``; a router importing
+    ``tito``."""
     return [f"{mod}:{i.line} {i.kind} {i.module}" for mod, imps in sorted(imports.items())
-            if _is_under(mod, "app") and mod != COMPOSITION_ROOT for i in imps if _is_under(i.module, "routers")]
+            for i in imps for top in ABOVE.get(mod.split(".")[0], ()) if _is_under(i.module, top)]
 
 
 # Private imports the sampling validator's rewrite removes (it owns those two modules); each entry must still exist.
@@ -192,7 +195,7 @@ def private_imports(imports: dict[str, tuple[Import, ...]]) -> set[tuple[str, st
     found = set()
     for mod, imps in imports.items():
         for i in imps:
-            if not (_is_under(i.module, "app") or _is_under(i.module, "routers")):
+            if not any(_is_under(i.module, top) for top in PACKAGES):
                 continue
             if any(_private(part) for part in i.module.split(".")):
                 found.add((mod, i.module, i.line))
@@ -200,8 +203,10 @@ def private_imports(imports: dict[str, tuple[Import, ...]]) -> set[tuple[str, st
     return found
 
 
-def test_no_module_under_app_imports_the_http_routers():
-    assert routers_in_app(tree_imports(tree_sources())) == []
+def test_no_module_under_app_imports_the_http_routers_or_the_root():
+    imports = tree_imports(tree_sources())
+    assert {"app.grpc.vllm_control", "routers.info", "tito.main"} <= imports.keys()  # the walk found all three
+    assert upward_imports(imports) == []
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -214,14 +219,14 @@ def test_a_line_that_breaks_a_rule_fails_the_checks():
     router's private helper (the imports this layout removed), and the string import by which the staging uploads
     reached back into the staging module (a cycle, and an edge no import statement shows)."""
     sources = tree_sources()
-    assert routers_in_app(tree_imports(sources)) == [] and package_violations(import_graph(sources), package_rules()) \
+    assert upward_imports(tree_imports(sources)) == [] and package_violations(import_graph(sources), package_rules()) \
         == [] and find_cycle(import_graph(sources)) == []
 
     grpc_pkg, grpc_src = sources["app.grpc.vllm_control"]
     broken = {**sources, "app.grpc.vllm_control": (grpc_pkg, grpc_src + "from routers.weights import _engine_call\n")}
     line = len(grpc_src.splitlines()) + 1
     imports = tree_imports(broken)
-    assert routers_in_app(imports) == [f"app.grpc.vllm_control:{line} from routers.weights"]
+    assert upward_imports(imports) == [f"app.grpc.vllm_control:{line} from routers.weights"]
     assert ("app.grpc.vllm_control", "routers.weights._engine_call", line) in private_imports(imports)
     assert package_violations(import_graph(broken), package_rules()) == [
         "app.grpc.vllm_control imports routers.weights (app.grpc may import: app.core, app.engine, app.server)"]
@@ -239,6 +244,26 @@ def test_a_line_that_breaks_a_rule_fails_the_checks():
         "app.weights.stage_uploads imports routers.staging (app.weights may import: app.core, app.engine)"]
 
 
+def test_the_composition_root_has_no_place_under_app():
+    """The line that once made app/main.py the one exempt module (mounting the HTTP routers), back in a module of that
+    name under app/, fails the check; so does a layer or a router importing the composition root."""
+    sources = tree_sources()
+    added = "from tito.main import create_app\n"
+    broken = dict(sources)
+    broken["app.main"] = ("app", "from routers import ALL\n")
+    lines = {}
+    for mod in ("app.server.startup", "routers.info"):
+        pkg, src = sources[mod]
+        broken[mod] = (pkg, src + added)
+        lines[mod] = len(src.splitlines()) + 1
+    assert upward_imports(tree_imports(broken)) == [
+        "app.main:1 from routers", f"app.server.startup:{lines['app.server.startup']} from tito.main",
+        f"routers.info:{lines['routers.info']} from tito.main"]
+    assert package_violations(import_graph(broken), package_rules()) == [
+        "app.server.startup imports tito.main (app.server may import: app.core, app.engine, app.weights)",
+        "routers.info imports tito.main (routers may import: app.core, app.engine, app.server, app.weights, routers)"]
+
+
 def test_the_import_reader_sees_every_form():
     src = ("import app.core.x\nfrom app.engine import y as z, _w\nif T:\n    from . import sib\n"
            "def f():\n    importlib.import_module('app.server.s')\n    __import__('routers')\n"
@@ -250,10 +275,10 @@ def test_the_import_reader_sees_every_form():
     assert private_imports({"m": imports_in(src, "app.weights")}) == {("m", "app.engine._w", 2)}
 
 
-def test_app_top_level_holds_only_the_entry_points():
-    """New code goes into the package of its concern: at the top of app/ only what puts the packages together."""
-    top = sorted(p.name for p in (ROOT / "app").glob("*.py"))
-    assert top == ["__init__.py", "__main__.py", "cli.py", "main.py"], top
+def test_app_top_level_holds_no_module():
+    """New code goes into the package of its concern; what puts the packages together is the ``tito`` package."""
+    assert sorted(p.name for p in (ROOT / "app").glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in (ROOT / "tito").glob("*.py")) == ["__init__.py", "__main__.py", "cli.py", "main.py"]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -279,7 +304,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-def test_no_import_cycle_in_app_and_routers():
+def test_no_import_cycle():
     graph = import_graph()
     assert len(graph) >= 40 and graph["app.server.state"]  # the walk found the code and its imports
     cycle = find_cycle(graph)
@@ -293,7 +318,7 @@ def test_the_cycle_finder_finds_one():
 
 
 def test_no_module_over_500_lines():
-    files = [*(ROOT / "app").rglob("*.py"), *(ROOT / "routers").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    files = [p for top in (*PACKAGES, "scripts") for p in (ROOT / top).rglob("*.py")]
     files = [p for p in files if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]  # generated: scripts/gen_protos.py
     long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(files) if (n := len(p.read_text().splitlines())) > 500]
     assert long == [], "modules over 500 lines:\n" + "\n".join(long)

@@ -7,12 +7,12 @@ import pickle
 
 import pytest
 
-from app.cli import build_parser
 from app.core.protocol import ApiError
 from app.core.settings import FLAGS, Settings, flags_markdown
 from app.engine.safe_pickle import UnsafePickleError, restricted_loads
 from app.weights.paths import resolve_allowed
 from tests.helpers import ROOT
+from tito.cli import build_parser
 
 FLAGS_PAGE = ROOT / "docs" / "reference" / "flags.md"
 

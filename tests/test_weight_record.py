@@ -17,13 +17,13 @@ import httpx
 import pytest
 
 from app.core.settings import Settings
-from app.main import create_app
 from app.tiny.model import make_tiny_model, tiny_state_dict
 from app.weights.record import WeightRecord, resolve_state_dir, write_atomic
 from tests import prime_stage_client as prime
 from tests.delta_encoder import perturb, write_delta
 from tests.fake_engine import FakeEngine
 from tests.test_weights import write_step
+from tito.main import create_app
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,14 @@ Pause modes and concurrent updates: test_weights_pause.py."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from app.tiny.model import tiny_state_dict
 from tests.conftest import FRESH_BODIES
-from tests.helpers import (
-    ServerProcess,
-    metric_value,
-    restore_server,
-)
+from tests.helpers import metric_value
 from tests.rl_steps import (
     GEN,
     PROMPTS,
@@ -26,32 +20,12 @@ from tests.rl_steps import (
     reference_greedy,
     rl_step,
     update,
+    weight_module_fixtures,
     write_step,
 )
 
 pytestmark = pytest.mark.engine
-
-
-# ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
-    """The shared long-context server (the tiny model's weights, a context for the endless requests). Nothing else
-    runs on it during this module; put back at the end (base weights, resumed, no broadcast group)."""
-    yield long_tito
-    restore_server(long_tito.url, drop_broadcaster=True)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as c:
-        yield c
+root, server, client = weight_module_fixtures()  # the long-context server, put back at the end
 
 
 @pytest.fixture(scope="module")

@@ -5,54 +5,28 @@ update, and an update storm under 64 concurrent streams."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.tiny.model import tiny_state_dict
-from tests.helpers import (
-    TIMING,
-    ServerProcess,
-    restore_server,
-)
+from tests.helpers import TIMING
 from tests.rl_steps import (
     ENDLESS,
-    GEN,
     Background,
     generated_tokens,
     long_request,
     start_endless,
     update,
+    weight_module_fixtures,
     write_step,
 )
+from tests.streaming import read_stream
 
 pytestmark = pytest.mark.engine
-
-
-# ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
-    """The shared long-context server (the tiny model's weights, a context for the endless requests). Nothing else
-    runs on it during this module; put back at the end (base weights, resumed, no broadcast group)."""
-    yield long_tito
-    restore_server(long_tito.url, drop_broadcaster=True)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as c:
-        yield c
+root, server, client = weight_module_fixtures()  # the long-context server, put back at the end
 
 
 # ------------------------------------------------------------------------------------------ pause modes
@@ -84,6 +58,7 @@ def test_new_requests_wait_during_a_pause(client, server):
         while client.get("/health").json()["inflight"] < 1:
             assert time.monotonic() < deadline and not bg.done(), f"not admitted: {bg.error!r} {bg.value!r}"[:600]
             time.sleep(0.02)
+        # The sleep is what is tested: for a window in which 4 tokens would be done many times over, nothing runs.
         time.sleep(1.0)
         assert not bg.done(), "a request ran while generation was paused"
     finally:
@@ -123,7 +98,8 @@ def test_keep_mode_request_straddles_an_update(client, server, root):
 
 
 def _stable(read, settle: float = 0.2, timeout: float = 30.0) -> float:  # noqa: ANN001
-    """``read()`` once it gives the same value twice ``settle`` seconds apart."""
+    """``read()`` once it gives the same value twice ``settle`` seconds apart (the window is what is tested: a frozen
+    count does not grow)."""
     deadline = time.monotonic() + timeout
     value = read()
     while True:
@@ -212,23 +188,9 @@ def test_resume_waits_for_a_running_update(client, server, root):
 async def _stream(ac: httpx.AsyncClient, i: int, n: int, first: asyncio.Event | None = None) -> dict:
     body = {"token_ids": [1 + i % 50, 2, 3 + i % 7], "stream": True,
             "sampling_params": {"max_tokens": n, "temperature": 0, "ignore_eos": True}}
-    toks: list[int] = []
-    spans = None
-    finish = None
-    async with ac.stream("POST", GEN, json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            for c in ev["choices"]:
-                toks += c["token_ids"]
-                spans = c["weight_versions"] or spans
-                finish = c["finish_reason"] or finish
-            if toks and first is not None:
-                first.set()
-    return {"tokens": toks, "spans": spans, "finish": finish}
+    out = await read_stream(ac, body, first)
+    assert out["status"] == 200 and not out["errors"], out
+    return out
 
 
 async def _storm(url: str, dirs: list[Path], n: int) -> tuple[list, list]:

@@ -134,7 +134,7 @@ class StatusSend:
 
 class HttpMiddleware:
     """A pure-ASGI middleware's head: HTTP requests go to ``http``, every other scope (lifespan) passes through.
-    Shared by the request counter here, the request log (app/server/reqlog.py) and the body limit (app/main.py)."""
+    Shared by the request counter here, the request log (app/server/reqlog.py) and the body limit (tito/main.py)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

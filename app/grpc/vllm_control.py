@@ -33,6 +33,7 @@ from app.server.state import AppState
 
 log = logging.getLogger("tito.grpc")
 T = TypeVar("T")
+Req = TypeVar("Req")
 
 API_VERSION = "vllm"
 PAUSE_TIMEOUT_S = 300.0  # the HTTP routes' defaults
@@ -93,6 +94,17 @@ def _source_path(raw: str) -> str:
     return raw.removeprefix("file://") if raw.startswith("file:///") else raw
 
 
+def rpc(method: Callable[[ControlServicer, Req], Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A call of the service written as ``method(self, request)``: gRPC's ``(request, context)`` handler runs it
+    through ``_answer`` under the method's name (counted, its errors as statuses)."""
+
+    @functools.wraps(method)
+    async def handler(self: ControlServicer, request: Req, context: grpc.aio.ServicerContext) -> T:
+        return await self._answer(context, method.__name__, method(self, request))
+
+    return handler
+
+
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, state: AppState) -> None:
         self.state = state
@@ -105,12 +117,12 @@ class ControlServicer(pb_grpc.ControlServicer):
     def model(self) -> pb.ModelInfo:
         return model_info(self.state)
 
-    async def _answer(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn``, count the call, and end it with the status of an ``ApiError`` (an unexpected failure is
-        INTERNAL, or UNAVAILABLE when the engine is dead)."""
+    async def _answer(self, context: grpc.aio.ServicerContext, method: str, work: Awaitable[T]) -> T:
+        """Await the call's work, count the call, and end it with the status of an ``ApiError`` (an unexpected failure
+        is INTERNAL, or UNAVAILABLE when the engine is dead)."""
         call = GrpcCall(method)
         try:
-            out = await fn()
+            out = await work
         except ApiError as e:
             await fail(context, call, e)
         except Refused as e:
@@ -123,44 +135,40 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     # ------------------------------------------------------------------ discovery
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest,  # noqa: N802
-                            context: grpc.aio.ServicerContext) -> pb.ServerInfo:
-        GrpcCall("GetServerInfo").done(grpc.StatusCode.OK)
+    @rpc
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest) -> pb.ServerInfo:  # noqa: N802
         return self.server
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,  # noqa: N802
-                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        GrpcCall("GetModelInfo").done(grpc.StatusCode.OK)
+    @rpc
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:  # noqa: N802
         return self.model
 
-    async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest,  # noqa: N802
-                                context: grpc.aio.ServicerContext) -> pb.GetKvEventSourcesResponse:
+    @rpc
+    async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest) -> pb.GetKvEventSourcesResponse:  # noqa: N802
         out = pb.GetKvEventSourcesResponse()
         for src in self.state.engine.kv_event_sources():
             out.sources.add(transport="zmq", endpoint=src["endpoint"], topic=src["topic"],
                             replay_endpoint=src["replay_endpoint"], data_parallel_rank=src["rank"],
                             encoding="msgpack", buffer_steps=src["buffer_steps"], hwm=src["hwm"],
                             max_queue_size=src["max_queue_size"])
-        GrpcCall("GetKvEventSources").done(grpc.StatusCode.OK)
         return out
 
     # ------------------------------------------------------------------ requests and lifecycle
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
+    @rpc
+    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:  # noqa: N802
         # By the ids callers gave their requests; an unknown or finished id is not an error (the sidecar aborts
         # every request its client left, finished or not).
         ids = [i for i in request.request_ids if i]
         n = await self.state.abort(ids) if ids else 0
         if n:
             log.info("gRPC Abort %s: %d request(s) hit", ids, n)
-        GrpcCall("Abort").done(grpc.StatusCode.OK)
         return pb.AbortResponse()
 
-    async def Shutdown(self, request: pb.ShutdownRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> pb.ShutdownResponse:
+    @rpc
+    async def Shutdown(self, request: pb.ShutdownRequest) -> pb.ShutdownResponse:  # noqa: N802
         log.warning("gRPC Shutdown: draining and exiting, as on SIGTERM")
         asyncio.get_running_loop().call_later(SHUTDOWN_DELAY_S, os.kill, os.getpid(), signal.SIGTERM)
-        GrpcCall("Shutdown").done(grpc.StatusCode.OK)
         return pb.ShutdownResponse()
 
     # ------------------------------------------------------------------ LoRA
@@ -169,137 +177,103 @@ class ControlServicer(pb_grpc.ControlServicer):
     def _adapter(entry: Any) -> pb.LoraAdapter:
         return pb.LoraAdapter(lora_id=entry.int_id, lora_name=entry.name, source_path=entry.path)
 
-    async def LoadLora(self, request: pb.LoadLoraRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> pb.LoadLoraResponse:
-        async def load() -> pb.LoadLoraResponse:
-            if request.lora_name in self.state.loras:
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter '{request.lora_name}' is already "
-                              "loaded; unload it first (tito reloads in place only over HTTP /load_lora_adapter).")
-            entry = await self.state.adapters.load(request.lora_name, _source_path(request.source_path),
-                                                   inplace=False)
-            return pb.LoadLoraResponse(adapter=self._adapter(entry))
+    @rpc
+    async def LoadLora(self, request: pb.LoadLoraRequest) -> pb.LoadLoraResponse:  # noqa: N802
+        if request.lora_name in self.state.loras:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter '{request.lora_name}' is already "
+                          "loaded; unload it first (tito reloads in place only over HTTP /load_lora_adapter).")
+        entry = await self.state.adapters.load(request.lora_name, _source_path(request.source_path), inplace=False)
+        return pb.LoadLoraResponse(adapter=self._adapter(entry))
 
-        return await self._answer(context, "LoadLora", load)
+    @rpc
+    async def UnloadLora(self, request: pb.UnloadLoraRequest) -> pb.UnloadLoraResponse:  # noqa: N802
+        entry = self.state.adapters.resolve(request.lora_name) if request.lora_name else None
+        await self.state.adapters.unload(request.lora_name)
+        return pb.UnloadLoraResponse(adapter=self._adapter(entry))
 
-    async def UnloadLora(self, request: pb.UnloadLoraRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> pb.UnloadLoraResponse:
-        async def unload() -> pb.UnloadLoraResponse:
-            entry = self.state.adapters.resolve(request.lora_name) if request.lora_name else None
-            await self.state.adapters.unload(request.lora_name)
-            return pb.UnloadLoraResponse(adapter=self._adapter(entry))
-
-        return await self._answer(context, "UnloadLora", unload)
-
-    async def ListLoras(self, request: pb.ListLorasRequest,  # noqa: N802
-                        context: grpc.aio.ServicerContext) -> pb.ListLorasResponse:
-        GrpcCall("ListLoras").done(grpc.StatusCode.OK)
+    @rpc
+    async def ListLoras(self, request: pb.ListLorasRequest) -> pb.ListLorasResponse:  # noqa: N802
         return pb.ListLorasResponse(adapters=[self._adapter(e) for e in self.state.loras.values()])
 
     # ------------------------------------------------------------------ generation control
 
-    async def PauseGeneration(self, request: pb.PauseGenerationRequest,  # noqa: N802
-                              context: grpc.aio.ServicerContext) -> pb.PauseGenerationResponse:
-        async def pause() -> pb.PauseGenerationResponse:
-            mode = _MODES.get(request.mode)
-            if mode is None:
-                raise bad_request(f"unknown pause mode {request.mode}.", "mode")
-            clear = request.clear_cache if request.HasField("clear_cache") else True
-            await control_service.pause_generation(self.state, mode, clear, PAUSE_TIMEOUT_S)
-            return pb.PauseGenerationResponse()
+    @rpc
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest) -> pb.PauseGenerationResponse:  # noqa: N802
+        mode = _MODES.get(request.mode)
+        if mode is None:
+            raise bad_request(f"unknown pause mode {request.mode}.", "mode")
+        clear = request.clear_cache if request.HasField("clear_cache") else True
+        await control_service.pause_generation(self.state, mode, clear, PAUSE_TIMEOUT_S)
+        return pb.PauseGenerationResponse()
 
-        return await self._answer(context, "PauseGeneration", pause)
+    @rpc
+    async def ResumeGeneration(self, request: pb.ResumeGenerationRequest) -> pb.ResumeGenerationResponse:  # noqa: N802
+        await control_service.resume_generation(self.state, RESUME_TIMEOUT_S)
+        return pb.ResumeGenerationResponse()
 
-    async def ResumeGeneration(self, request: pb.ResumeGenerationRequest,  # noqa: N802
-                               context: grpc.aio.ServicerContext) -> pb.ResumeGenerationResponse:
-        async def resume() -> pb.ResumeGenerationResponse:
-            await control_service.resume_generation(self.state, RESUME_TIMEOUT_S)
-            return pb.ResumeGenerationResponse()
+    @rpc
+    async def IsPaused(self, request: pb.IsPausedRequest) -> pb.IsPausedResponse:  # noqa: N802
+        return pb.IsPausedResponse(paused=await control_service.is_paused(self.state))
 
-        return await self._answer(context, "ResumeGeneration", resume)
+    @rpc
+    async def Sleep(self, request: pb.SleepRequest) -> pb.SleepResponse:  # noqa: N802
+        raise _no_sleep_mode()
 
-    async def IsPaused(self, request: pb.IsPausedRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> pb.IsPausedResponse:
-        async def paused() -> pb.IsPausedResponse:
-            return pb.IsPausedResponse(paused=await control_service.is_paused(self.state))
+    @rpc
+    async def WakeUp(self, request: pb.WakeUpRequest) -> pb.WakeUpResponse:  # noqa: N802
+        raise _no_sleep_mode()
 
-        return await self._answer(context, "IsPaused", paused)
-
-    async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:  # noqa: N802
-        return await self._answer(context, "Sleep", _no_sleep_mode)
-
-    async def WakeUp(self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext) -> pb.WakeUpResponse:  # noqa: N802
-        return await self._answer(context, "WakeUp", _no_sleep_mode)
-
-    async def IsSleeping(self, request: pb.IsSleepingRequest,  # noqa: N802
-                         context: grpc.aio.ServicerContext) -> pb.IsSleepingResponse:
-        GrpcCall("IsSleeping").done(grpc.StatusCode.OK)
+    @rpc
+    async def IsSleeping(self, request: pb.IsSleepingRequest) -> pb.IsSleepingResponse:  # noqa: N802
         return pb.IsSleepingResponse(sleeping=False)
 
     # ------------------------------------------------------------------ weights (app/server/weight_service.py)
 
+    @rpc
     async def InitWeightTransferEngine(self, request: pb.InitWeightTransferEngineRequest,  # noqa: N802
-                                       context: grpc.aio.ServicerContext) -> pb.InitWeightTransferEngineResponse:
-        async def init() -> pb.InitWeightTransferEngineResponse:
-            info = _json_object(request.init_info_json, "init_info_json")
-            await weight_service.init_transfer_engine(self.state, info, "initialize the transfer")
-            return pb.InitWeightTransferEngineResponse()
+                                       ) -> pb.InitWeightTransferEngineResponse:
+        info = _json_object(request.init_info_json, "init_info_json")
+        await weight_service.init_transfer_engine(self.state, info, "initialize the transfer")
+        return pb.InitWeightTransferEngineResponse()
 
-        return await self._answer(context, "InitWeightTransferEngine", init)
+    @rpc
+    async def StartWeightUpdate(self, request: pb.StartWeightUpdateRequest) -> pb.StartWeightUpdateResponse:  # noqa: N802
+        await weight_service.start_weight_update(self.state)
+        return pb.StartWeightUpdateResponse()
 
-    async def StartWeightUpdate(self, request: pb.StartWeightUpdateRequest,  # noqa: N802
-                                context: grpc.aio.ServicerContext) -> pb.StartWeightUpdateResponse:
-        async def start() -> pb.StartWeightUpdateResponse:
-            await weight_service.start_weight_update(self.state)
-            return pb.StartWeightUpdateResponse()
-
-        return await self._answer(context, "StartWeightUpdate", start)
-
+    @rpc
     async def StartDraftWeightUpdate(self, request: pb.StartDraftWeightUpdateRequest,  # noqa: N802
-                                     context: grpc.aio.ServicerContext) -> pb.StartDraftWeightUpdateResponse:
-        async def draft() -> pb.StartDraftWeightUpdateResponse:
-            raise ApiError(501, "tito serves no draft (speculative decoding) model: draft weight updates are not "
-                                "offered (RlCapabilities.draft_weight_updates_enabled is false).")
+                                     ) -> pb.StartDraftWeightUpdateResponse:
+        raise ApiError(501, "tito serves no draft (speculative decoding) model: draft weight updates are not "
+                            "offered (RlCapabilities.draft_weight_updates_enabled is false).")
 
-        return await self._answer(context, "StartDraftWeightUpdate", draft)
+    @rpc
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest) -> pb.UpdateWeightsResponse:  # noqa: N802
+        info = _json_object(request.update_info_json, "update_info_json")
+        await weight_service.update_weights(self.state, info)
+        return pb.UpdateWeightsResponse()
 
-    async def UpdateWeights(self, request: pb.UpdateWeightsRequest,  # noqa: N802
-                            context: grpc.aio.ServicerContext) -> pb.UpdateWeightsResponse:
-        async def update() -> pb.UpdateWeightsResponse:
-            info = _json_object(request.update_info_json, "update_info_json")
-            await weight_service.update_weights(self.state, info)
-            return pb.UpdateWeightsResponse()
+    @rpc
+    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest) -> pb.FinishWeightUpdateResponse:  # noqa: N802
+        version = request.weight_version if request.HasField("weight_version") else None
+        await weight_service.finish_weight_update(self.state, version)
+        return pb.FinishWeightUpdateResponse()
 
-        return await self._answer(context, "UpdateWeights", update)
-
-    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest,  # noqa: N802
-                                 context: grpc.aio.ServicerContext) -> pb.FinishWeightUpdateResponse:
-        async def finish() -> pb.FinishWeightUpdateResponse:
-            version = request.weight_version if request.HasField("weight_version") else None
-            await weight_service.finish_weight_update(self.state, version)
-            return pb.FinishWeightUpdateResponse()
-
-        return await self._answer(context, "FinishWeightUpdate", finish)
-
+    @rpc
     async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest,  # noqa: N802
-                                  context: grpc.aio.ServicerContext) -> pb.UpdateWeightVersionResponse:
-        async def label() -> pb.UpdateWeightVersionResponse:
-            version = request.weight_version
-            if not version:
-                raise bad_request("weight_version must be a non-empty label.", "weight_version")
-            await weight_service.set_weight_version(self.state, version)
-            return pb.UpdateWeightVersionResponse()
+                                  ) -> pb.UpdateWeightVersionResponse:
+        version = request.weight_version
+        if not version:
+            raise bad_request("weight_version must be a non-empty label.", "weight_version")
+        await weight_service.set_weight_version(self.state, version)
+        return pb.UpdateWeightVersionResponse()
 
-        return await self._answer(context, "UpdateWeightVersion", label)
-
-    async def GetWeightVersion(self, request: pb.GetWeightVersionRequest,  # noqa: N802
-                               context: grpc.aio.ServicerContext) -> pb.GetWeightVersionResponse:
-        async def version() -> pb.GetWeightVersionResponse:
-            v = await weight_service.weight_version(self.state, "get_weight_version")
-            return pb.GetWeightVersionResponse(weight_version=v)
-
-        return await self._answer(context, "GetWeightVersion", version)
+    @rpc
+    async def GetWeightVersion(self, request: pb.GetWeightVersionRequest) -> pb.GetWeightVersionResponse:  # noqa: N802
+        return pb.GetWeightVersionResponse(weight_version=await weight_service.weight_version(
+            self.state, "get_weight_version"))
 
 
-async def _no_sleep_mode() -> Any:
-    raise ApiError(501, "sleep mode is not offered by tito (RlCapabilities.sleep_mode_enabled is false): its engine "
-                        "keeps weights and KV cache resident.")
+def _no_sleep_mode() -> ApiError:
+    return ApiError(501, "sleep mode is not offered by tito (RlCapabilities.sleep_mode_enabled is false): its engine "
+                         "keeps weights and KV cache resident.")

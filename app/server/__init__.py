@@ -1,6 +1,6 @@
 """The server around the engine: ``AppState`` (``state``), the control plane (``control``), start-up (``startup``),
 the process lifecycle and SIGTERM drain (``lifecycle``), API keys (``security``) and the request log (``reqlog``).
-``app.main`` puts them together into the FastAPI application.
+``tito.main`` puts them together into the FastAPI application.
 
 It is also the transport-neutral service layer both transports (HTTP's routers, ``app.grpc``) call down into, each
 of them only parsing its requests and shaping its answers: pause / resume (``control_service``), weight updates and

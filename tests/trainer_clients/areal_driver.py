@@ -41,6 +41,13 @@ def inflight(url: str) -> int:
         return int(json.loads(r.read())["inflight"])
 
 
+def generated(url: str) -> float:
+    """Tokens the engine has generated so far, all requests (vllm:generation_tokens_total)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
 def main() -> None:
     url, plan = sys.argv[1], json.loads(open(sys.argv[2]).read())
     import torch
@@ -124,13 +131,14 @@ def main() -> None:
         # A long rollout, cut by pause_generation mid-way; new weights from disk; continue: AReaL resubmits it.
         def cut_rollout() -> dict[str, Any]:
             box: dict[str, Any] = {}
+            before = generated(url)  # nothing else runs on the server meanwhile
             t = threading.Thread(target=lambda: box.update(greedy(LONG_PROMPT, LONG_N, ignore_eos=True)))
             t.start()
             deadline = time.monotonic() + 60
-            while inflight(url) < 1:
-                assert time.monotonic() < deadline, "the rollout never reached the server"
+            # Admitted, and some tokens generated on the old weights first.
+            while inflight(url) < 1 or generated(url) < before + 8:
+                assert time.monotonic() < deadline and t.is_alive(), "the rollout made no progress on the server"
                 time.sleep(0.02)
-            time.sleep(1.0)  # some tokens on the old weights first
             engine.pause_generation()
             try:
                 meta = WeightUpdateMeta(type="disk", path=plan["ckpts"][0], clear_checkpoint_after_load=False)

@@ -67,8 +67,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if refusal := routed_experts_refusal(settings):
             print(f"tito: {refusal}", file=sys.stderr)
             return 2
-    from app.main import create_app
     from app.server.lifecycle import serve
+    from tito.main import create_app
 
     # SIGTERM drains (see app/server/lifecycle.py); the exit code is 0 after a clean shutdown, non-zero if the
     # engine died.
