@@ -5,11 +5,12 @@
 them: a keep pause cannot land before the step in progress ends, so one step is the floor of each engine call.
 
 Each system is started fresh on the same model and engine settings, one at a time (they never share the CPU):
-tito (``python -m app serve``) and vLLM's ``--tokens-only`` server with ``VLLM_SERVER_DEV_MODE=1`` (its ``/pause``,
+tito (``python -m tito serve``) and vLLM's ``--tokens-only`` server with ``VLLM_SERVER_DEV_MODE=1`` (its ``/pause``,
 ``/resume``, ``/is_paused``). The load comes from scripts/bench.py's lean load generator in its own process (as in
 the main benchmark); the probes run here, one at a time with a short gap, so each measures the server, not a queue
-of probes. The step time is read the way a client sees it: the gaps between the tokens of one more stream (one
-token per engine step), sent by this process beside the probes.
+of probes; pause(abort), which ends every stream in flight, after the others and on its own (``phase``). The step
+time is read the way a client sees it: the gaps between the tokens of one more stream (one token per engine step),
+sent by this process beside the probes.
 
     python scripts/bench_control.py                       # tito and vllm, 256 streams, 30 s of probes per phase
     python scripts/bench_control.py --systems tito --streams 64 --seconds 10
@@ -74,17 +75,18 @@ async def step_times(url: str, stop: asyncio.Event, gaps: list[tuple[float, floa
                     last = now
 
 
-async def probe(url: str, seconds: float, paused_gaps: list[tuple[float, float]], gap: float = 0.05) -> dict[str, Any]:
+async def probe(url: str, seconds: float, paused_gaps: list[tuple[float, float]], probes: tuple[str, ...] = PROBES,
+                gap: float = 0.05) -> dict[str, Any]:
     """Call each probe in turn for ``seconds``; latency per probe in ms (p50, p99, max) and failures. The spans while
     generation was paused go to ``paused_gaps`` (the step-time stream drops gaps that overlap them)."""
     import httpx
 
-    lat: dict[str, list[float]] = {k: [] for k in PROBES}
+    lat: dict[str, list[float]] = {k: [] for k in probes}
     failures: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as c:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            for name in PROBES:
+            for name in probes:
                 t0 = time.perf_counter()
                 if name == "health":
                     rs = [await c.get("/health")]
@@ -152,14 +154,16 @@ def breakdown(before: dict[str, dict[float, float]], after: dict[str, dict[float
 
 
 async def phase(url: str, seconds: float) -> dict[str, Any]:
-    """The probes and, beside them, the step-time stream; steps that span a pause are left out."""
+    """The probes and, beside them, the step-time stream (steps that span a pause left out); then pause(abort) on
+    its own for a third of the time: it ends every stream in flight and the load sends them all again at once, so
+    it would land its aftermath on the probes after it (and on the step time) in the real cycle of an RL step."""
     before = await scrape(url)
     stop = asyncio.Event()
     stamped: list[tuple[float, float]] = []
     paused: list[tuple[float, float]] = []
     steps = asyncio.ensure_future(step_times(url, stop, stamped))
     try:
-        out = await probe(url, seconds, paused)
+        out = await probe(url, seconds, paused, tuple(p for p in PROBES if p != "pause_abort"))
     finally:
         stop.set()
         try:
@@ -168,6 +172,10 @@ async def phase(url: str, seconds: float) -> dict[str, Any]:
             steps.cancel()
     steps_s = [b - a for a, b in stamped if not any(a < pe and ps < b for ps, pe in paused)]
     out["step"] = stats(steps_s)
+    aborts = await probe(url, seconds / 3, [], ("pause_abort",))
+    out["pause_abort"] = aborts["pause_abort"]
+    out["failures"] += aborts["failures"]
+    out["failed"] += aborts["failed"]
     out["breakdown"] = breakdown(before, await scrape(url))
     return out
 
