@@ -10,9 +10,10 @@ the control queue in ``/server_info``, tito's in-flight count), never sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,17 @@ async def _paused(c: httpx.AsyncClient) -> bool:
     return bool((await c.get("/is_paused")).json()["is_paused"])
 
 
+@contextlib.asynccontextmanager
+async def _generating(c: httpx.AsyncClient, prompt: int) -> AsyncIterator[Stream]:
+    """One endless stream that has produced its first token; afterwards the server is resumed and idle again."""
+    s = Stream(c, prompt)
+    try:
+        await asyncio.wait_for(s.first.wait(), 120)
+        yield s
+    finally:
+        await _cleanup(c, [s])
+
+
 async def _cleanup(c: httpx.AsyncClient, streams: list[Stream]) -> None:
     await c.post("/resume")
     await c.post("/abort_requests", json={})
@@ -192,11 +204,7 @@ async def _inflight_is(c: httpx.AsyncClient, k: int) -> bool:
 def test_a_timed_out_pause_wait_is_cancelled(server: ServerProcess) -> None:
     async def run() -> None:
         async with async_client(server.url) as c:
-            streams: list[Stream] = []
-            try:
-                s = Stream(c, 5)
-                streams.append(s)
-                await asyncio.wait_for(s.first.wait(), 120)
+            async with _generating(c, 5) as s:
                 r = await c.post("/pause", params={"mode": "wait", "timeout": 1})
                 assert r.status_code == 504 and "cancelled" in r.json()["error"]["message"], r.text
                 # Nothing of the pause is left: not paused, the request generates, new requests are admitted.
@@ -205,8 +213,6 @@ def test_a_timed_out_pause_wait_is_cancelled(server: ServerProcess) -> None:
                 ok = await c.post(GEN, json={"token_ids": [7, 8], "sampling_params": {"max_tokens": 3}})
                 assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
                 assert (await _control(c))["recent"][-1] == {"call": "pause (mode=wait)", "outcome": "504"}
-            finally:
-                await _cleanup(c, streams)
 
     asyncio.run(run())
 
@@ -214,11 +220,7 @@ def test_a_timed_out_pause_wait_is_cancelled(server: ServerProcess) -> None:
 def test_resume_supersedes_a_draining_pause(server: ServerProcess) -> None:
     async def run() -> None:
         async with async_client(server.url) as c:
-            streams: list[Stream] = []
-            try:
-                s = Stream(c, 6)
-                streams.append(s)
-                await asyncio.wait_for(s.first.wait(), 120)
+            async with _generating(c, 6) as s:
                 pause = asyncio.ensure_future(c.post("/pause", params={"mode": "wait", "timeout": 600}))
                 await wait_for(lambda: _paused(c), 60)  # admission stopped: the pause is draining
                 r = await c.post("/resume")
@@ -229,8 +231,6 @@ def test_resume_supersedes_a_draining_pause(server: ServerProcess) -> None:
                 await s.grows()
                 recent = (await _control(c))["recent"][-2:]
                 assert recent == [{"call": "pause (mode=wait)", "outcome": "409"}, {"call": "resume", "outcome": "ok"}]
-            finally:
-                await _cleanup(c, streams)
 
     asyncio.run(run())
 
@@ -241,11 +241,7 @@ def test_pause_update_and_resume_run_in_arrival_order(server: ServerProcess, tmp
 
     async def run() -> None:
         async with async_client(server.url) as c:
-            streams: list[Stream] = []
-            try:
-                s = Stream(c, 7)
-                streams.append(s)
-                await asyncio.wait_for(s.first.wait(), 120)
+            async with _generating(c, 7) as s:
                 # The drain of this pause cannot end while the endless request runs: it holds the control lock.
                 pause_wait = asyncio.ensure_future(c.post("/pause", params={"mode": "wait", "timeout": 600}))
                 await wait_for(lambda: _running(c, "pause (mode=wait)"), 60)
@@ -267,8 +263,6 @@ def test_pause_update_and_resume_run_in_arrival_order(server: ServerProcess, tmp
                 assert await _paused(c)
                 assert (await c.post("/resume")).status_code == 200
                 assert not await _paused(c)
-            finally:
-                await _cleanup(c, streams)
 
     asyncio.run(run())
 
@@ -280,11 +274,7 @@ def test_a_pause_whose_client_leaves_still_ends_whole(server: ServerProcess) -> 
 
     async def run() -> None:
         async with async_client(server.url) as c:
-            streams: list[Stream] = []
-            try:
-                s = Stream(c, 9)
-                streams.append(s)
-                await asyncio.wait_for(s.first.wait(), 120)
+            async with _generating(c, 9) as s:
                 async with httpx.AsyncClient(base_url=server.url) as impatient:
                     with pytest.raises(httpx.ReadTimeout):
                         await impatient.post("/pause", params={"mode": "wait", "timeout": 600}, timeout=1.0)
@@ -300,8 +290,6 @@ def test_a_pause_whose_client_leaves_still_ends_whole(server: ServerProcess) -> 
                 assert (await _control(c))["recent"][-1] == {"call": "pause (mode=wait)", "outcome": "ok"}
                 assert await _paused(c)
                 assert (await c.get("/server_info")).json()["state"]["paused"] is True
-            finally:
-                await _cleanup(c, streams)
 
     asyncio.run(run())
 
@@ -329,12 +317,8 @@ def test_is_paused_answers_from_titos_record_and_matches_the_engine(server: Serv
     async def run() -> None:
         async with async_client(server.url) as c:
             before = (await c.get("/metrics")).text
-            streams: list[Stream] = []
-            try:
-                assert await both(c) == (False, False)
-                s = Stream(c, 8)
-                streams.append(s)
-                await asyncio.wait_for(s.first.wait(), 120)
+            assert await both(c) == (False, False)
+            async with _generating(c, 8) as s:
                 assert (await c.post("/pause", params={"mode": "keep"})).status_code == 200
                 assert await both(c) == (True, True)
                 frozen = len(s.tokens)
@@ -348,8 +332,6 @@ def test_is_paused_answers_from_titos_record_and_matches_the_engine(server: Serv
                 assert s.finish == "abort"
                 assert (await c.post("/resume")).status_code == 200
                 assert await both(c) == (False, False)
-            finally:
-                await _cleanup(c, streams)
             after = (await c.get("/metrics")).text
             for call, n in (("pause_keep", 1), ("pause_abort", 1), ("resume", 2)):
                 labels = {"call": call, "part": "run"}
