@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -224,13 +225,14 @@ def _load(transport: str, server: Any, grpc_target: str, wl: loadgen.Workload, l
     return loadgen.with_cpu(res, loadgen.process_cpu_s(server.proc.pid) - c0)
 
 
-def _start(model: str, logs: Path, start_timeout: float, base: str | None) -> tuple[Any, str]:
-    """A tito with ``--grpc-port`` (``base``: imported from that checkout, as bench.py's base system); the server and
-    its gRPC target."""
+def _start(model: str, logs: Path, start_timeout: float, base: str | None,
+           tito_args: tuple[str, ...] = ()) -> tuple[Any, str]:
+    """A tito with ``--grpc-port`` and ``tito_args`` (``base``: imported from that checkout, as bench.py's base
+    system); the server and its gRPC target."""
     from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
 
     port, gport = free_port(), free_port()
-    cmd = tito_cmd(model, port, "--max-model-len", str(bench.MAX_MODEL_LEN), "--grpc-port", str(gport))
+    cmd = tito_cmd(model, port, "--max-model-len", str(bench.MAX_MODEL_LEN), "--grpc-port", str(gport), *tito_args)
     if base is not None:
         cmd = bench.from_checkout(cmd, base)
     server = ServerProcess(cmd, port, logs / f"tito-grpc-{port}.log", env=engine_env())
@@ -239,14 +241,15 @@ def _start(model: str, logs: Path, start_timeout: float, base: str | None) -> tu
 
 
 def run(model: str, workloads: list[loadgen.Workload], rounds: int, logs: Path, start_timeout: float,
-        transports: tuple[str, ...], inprocess: bool, bare: bool, base: str | None = None) -> list[Any]:
+        transports: tuple[str, ...], inprocess: bool, bare: bool, base: str | None = None,
+        tito_args: tuple[str, ...] = ()) -> list[Any]:
     """Rounds of every workload over every transport; with ``base``, the same transports of a second tito from that
     checkout too, named ``base:<transport>`` (both servers stay up; only one is driven at a time)."""
-    servers = {"": _start(model, logs, start_timeout, None)}
+    servers = {"": _start(model, logs, start_timeout, None, tito_args)}
     out: list[dict[str, Any]] = []
     try:
         if base is not None:
-            servers["base:"] = _start(model, logs, start_timeout, base)
+            servers["base:"] = _start(model, logs, start_timeout, base, tito_args)
         systems = [(prefix, t) for prefix in servers for t in transports]
         for prefix, t in systems:  # every path warm before anything is measured
             _load(t, servers[prefix][0], servers[prefix][1], bench.WARMUP, logs)
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="A few requests per workload (smoke test).")
     p.add_argument("--out", default="results")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--tito-args", default="",
+                   help="Extra flags for the tito servers, e.g. --tito-args='--stream-interval 8'.")
     p.add_argument("--transports", default=",".join(TRANSPORTS),
                    help=f"Comma-separated subset of {','.join(TRANSPORTS)} (http is the reference: always run).")
     p.add_argument("--no-inprocess", action="store_true",
@@ -383,12 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rounds = run(str(Path(model).resolve()), workloads, ns.rounds, logs, ns.start_timeout, transports,
-                 not ns.no_inprocess, ns.bare, ns.base)
+                 not ns.no_inprocess, ns.bare, ns.base, tuple(shlex.split(ns.tito_args)))
     text, summary = table(rounds, workloads, transports)
     print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     doc = {"meta": {"time": stamp, "model": model, "rounds": ns.rounds, "quick": ns.quick,
-                    "transports": list(transports), "base": ns.base, "cpus": os.cpu_count()},
+                    "transports": list(transports), "base": ns.base, "tito_args": ns.tito_args,
+                    "cpus": os.cpu_count()},
            "summary": summary, "rounds": rounds}
     (out / "bench-grpc.json").write_text(json.dumps(doc, indent=2))
     print(f"\nwrote {out / 'bench-grpc.json'}")

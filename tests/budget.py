@@ -35,10 +35,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _tests[module].add(report.nodeid)
 
 
-def _starts_by_module() -> dict[str, list[tuple[str, float]]]:
+def _waits_by_module() -> dict[str, list[tuple[str, float]]]:
     by: dict[str, list[tuple[str, float]]] = defaultdict(list)
-    for start in ServerProcess.starts:
-        by[start.module].append((start.name, start.seconds))
+    for w in ServerProcess.waits:
+        by[w.module].append((w.name, w.seconds))
     return by
 
 
@@ -47,17 +47,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     tr = terminalreporter
     wall = time.monotonic() - _t0[0]
-    starts = _starts_by_module()
-    tr.section("time per module (seconds; engine starts it waited for)")
+    waits = _waits_by_module()
+    tr.section("time per module (seconds; the engine starts it waited for)")
     by_time = sorted(_module_s.items(), key=lambda kv: -kv[1])
     for module, seconds in by_time:
-        mine = starts.get(module, [])
-        waited = f"  {len(mine)} start(s) {sum(s for _, s in mine):.0f}s: " + \
+        mine = [(n, s) for n, s in waits.get(module, []) if s >= 0.5]
+        waited = f"  waited {sum(s for _, s in mine):.0f}s: " + \
             ", ".join(f"{n} {s:.0f}s" for n, s in mine) if mine else ""
         tr.write_line(f"{seconds:8.1f}  {module} ({len(_tests[module])} tests){waited}")
-    all_starts = [s for ss in starts.values() for s in ss]
-    tr.write_line(f"{sum(_module_s.values()):8.1f}  all modules; {len(all_starts)} server starts "
-                  f"({sum(s for _, s in all_starts):.0f}s to healthy, summed); session wall time {wall:.0f}s")
+    starts = ServerProcess.starts
+    tr.write_line(f"{sum(_module_s.values()):8.1f}  all modules; {len(starts)} server starts "
+                  f"({sum(s.seconds for s in starts):.0f}s to healthy, summed; "
+                  f"{sum(w.seconds for w in ServerProcess.waits):.0f}s of it waited for by tests); "
+                  f"session wall time {wall:.0f}s")
+    tr.write_line("          starts: " + ", ".join(f"{s.name} {s.seconds:.0f}s" for s in starts))
     if wall > BUDGET_S:
         slow = ", ".join(f"{m} {s:.0f}s" for m, s in by_time[:SLOWEST])
         tr.write_line(f"WARNING: the suite took {wall:.0f}s, over its budget of {BUDGET_S:.0f}s "

@@ -1,4 +1,5 @@
-"""Shared fixtures: the session's shared servers (real vLLM engines, tiny model, fp32), started together.
+"""Shared fixtures: the session's servers (real vLLM engines, tiny model, fp32), each started ahead of the first test
+that uses it, one at a time, while the tests before it run (``SharedServers``); the tests without an engine run first.
 
 - ``tito``: the default server (no extra flags but ``--grpc-port``). Read-only tests and tests that put back what
   they change.
@@ -7,23 +8,21 @@
   modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``, on the tiny model with a
   4,192-token context (``LORA_CONTEXT``).
-- ``vllm_ref``: vLLM's own server on the tiny model, the reference of the compatibility tests (started when first
-  asked for): its token API (``--enable-scale-out``) for test_vllm_compat.py, and, with the model's tokenizer, its
-  text and evaluation routes for test_vllm_compat_eval.py.
+- ``vllm_ref``: vLLM's own server on the tiny model, the reference of the compatibility tests: its token API
+  (``--enable-scale-out``) for test_vllm_compat.py, and, with the model's tokenizer, its text and evaluation routes
+  for test_vllm_compat_eval.py.
 - ``sidecar_a`` / ``sidecar_b``: two replicas for vLLM's native gRPC services and Dynamo's sidecar in front of them
   (``--grpc-port``, KV events, 32-token blocks, LoRA; served as ``tiny``; ``b`` runs its own sidecar with
-  ``--dynamo-namespace``), started when first asked for (test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py
-  both, and stops ``b`` at its end).
+  ``--dynamo-namespace``). test_sidecar_grpc.py uses ``a``; test_sidecar_serve.py both, and stops ``b`` at its end.
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
-  and test_security_e2e.py (started when first asked for). Each module using it restores it at its end
-  (``restore_server`` with the admin key).
+  and test_security_e2e.py. Each module using it restores it at its end (``restore_server`` with the admin key).
 - ``grpc_a``: ``--grpc-port``, KV events, 32-token blocks, 5 logprobs: tito's gRPC surface (test_grpc.py,
-  test_grpc_events.py), started when first asked for. Its second replica ``grpc_b`` (no KV events, no LoRA, for
+  test_grpc_events.py). Its second replica ``grpc_b`` (no KV events, no LoRA, for
   vllm.Inference's prompt logprobs, the smg gateway in front of both and the SIGTERM test) is the default server,
   which also serves gRPC; the SIGTERM test ends it after its last user.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
-  test_fuzz.py's server (started when first asked for).
+  test_fuzz.py's server.
 
 A test that ends its server (SIGTERM, a killed engine) takes a shared one at the end of its life instead of starting
 its own: ``@pytest.mark.ends_server("<name>")`` runs it right after the last test using that server, and its
@@ -32,7 +31,7 @@ need are on the shared servers, where nothing else observes them: ``--engine-dea
 ``--exit-on-engine-death false``, ``--shutdown-timeout``.
 
 Modules whose flags change what every test there observes (other small caps, data parallel, KV-cache size, another
-model) keep their own.
+model) keep their own, registered with ``module_server`` so that it is started ahead too.
 """
 
 from __future__ import annotations
@@ -40,17 +39,20 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import psutil
 import pytest
 
 from app.tiny.model import make_tiny_model
 from tests import budget
-from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+from tests.helpers import ServerProcess, Wait, current_module, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
 
 if TYPE_CHECKING:
@@ -93,7 +95,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError("tests using an engine fixture without the engine mark (pytest.mark.engine):\n  "
                                 + "\n  ".join(unmarked))
+    _engine_tests_last(items)
     _run_enders_after_last_use(items)
+
+
+def _engine_tests_last(items: list[pytest.Item]) -> None:
+    """The tests without an engine first (in their order), then the others: the first servers start while the fast
+    tests run (``SharedServers``)."""
+    items[:] = [i for i in items if i.get_closest_marker("engine") is None] + \
+        [i for i in items if i.get_closest_marker("engine") is not None]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -111,7 +121,26 @@ def ends_server(item: pytest.Item) -> str | None:
 
 
 def _uses(item: pytest.Item, name: str) -> bool:
+    if name in MODULE_SERVERS:  # a module's own server: its engine tests use it
+        return (getattr(getattr(item, "module", None), "__name__", None) == MODULE_SERVERS[name][0]
+                and item.get_closest_marker("engine") is not None)
     return name in getattr(item, "fixturenames", ()) or ends_server(item) == name
+
+
+# A module's own server (flags no other module shares), registered at collection by ``module_server``: its name, the
+# module, and the start (``start(tmp_path_factory, tiny_model)``). ``shared_servers.get(name)`` hands it over, started
+# ahead like the shared ones; it is killed after the module.
+MODULE_SERVERS: dict[str, tuple[str, Callable[[pytest.TempPathFactory, Path], ServerProcess]]] = {}
+
+
+def module_server(name: str) -> Callable[[Callable[[pytest.TempPathFactory, Path], ServerProcess]],
+                                         Callable[[pytest.TempPathFactory, Path], ServerProcess]]:
+    def register(start: Callable[[pytest.TempPathFactory, Path], ServerProcess]) \
+            -> Callable[[pytest.TempPathFactory, Path], ServerProcess]:
+        MODULE_SERVERS[name] = (start.__module__, start)
+        return start
+
+    return register
 
 
 def _run_enders_after_last_use(items: list[pytest.Item]) -> None:
@@ -133,9 +162,11 @@ def _run_enders_after_last_use(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model(request: pytest.FixtureRequest) -> Path:
     """The embedded default model, written fresh for the session (deterministic from its seed)."""
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+    shared = _shared(request.session)
+    assert shared is not None
+    return shared.tiny_model
 
 
 def start_timeout(factor: float = 1.0) -> float:
@@ -204,66 +235,132 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SharedServers:
-    """The shared servers, started together the first time any of them is asked for: those the selected tests use
-    (but the ``lazy`` ones, started alone when asked for), all of them up before the first test runs on any, so no
-    test shares the CPU with an engine start. (Side by side they take about as long as one after the other: an engine
-    start keeps both cores of this machine busy.) Each is killed after the last
-    module that uses it (``release_unused``; started again if a rerun asks for it), the rest at the end of the
-    session."""
+    """The session's servers, started ahead of the modules that use them: one at a time, in a thread of their own, in
+    the order the tests will first ask for them, while the tests before run. An engine start keeps one core busy for
+    40 to 65 s (vLLM's imports in three processes, one after the other; the worker's model set-up), which started when
+    first asked for the tests waited for in full. Ahead, it takes the CPU the tests leave idle: on two cores the suite
+    is bound by CPU, so this moves the starts more than it saves (the waits fell from 943 to 421 s of a ~1,510 s run,
+    the wall time stayed); with more cores the waits go. At most ``AHEAD`` servers are started and not used yet, at most
+    ``MAX_LIVE`` alive, and a start ahead waits for ``MIN_AVAILABLE`` memory. A server asked for before it was
+    started ahead starts at once (``get``). Each is killed after the last module that uses it (``release_unused``;
+    started again if a rerun asks for it), the rest at the end of the session."""
+
+    AHEAD, MAX_LIVE = 3, 5
+    # Room a start ahead must find: the server (~3 GB resident: its worker ~1.8 GB with the 1 GiB KV cache, the API
+    # process and EngineCore ~0.6 GB each) and what the tests beside it may load (the bench smoke's two in-process
+    # engines, Dynamo's processes, reference models). The machine has no swap: running out kills an engine.
+    MIN_AVAILABLE = 10 * 2**30
 
     def __init__(self, session: pytest.Session, starts: dict[str, Callable[[], ServerProcess]],
-                 lazy: frozenset[str] = frozenset()) -> None:
+                 tiny_model: Path) -> None:
         self.session = session
         self.starts = starts
-        self.lazy = lazy
+        self.tiny_model = tiny_model
         self.futures: dict[str, Future[ServerProcess]] = {}
-        self.pool = ThreadPoolExecutor(len(starts))
+        self.used: set[str] = set()  # asked for by a test (``get``, ``take``)
+        self.pool = ThreadPoolExecutor(len(starts))  # starts a test waits for
+        self.ahead_pool = ThreadPoolExecutor(1)
+        self.ahead: Future[ServerProcess] | None = None  # the start ahead in progress (one at a time)
+        self.index = {id(item): k for k, item in enumerate(session.items)}
+        # For each server, the indices of the tests that use it.
+        self.uses = {n: [k for k, item in enumerate(session.items) if _uses(item, n)] for n in starts}
 
-    def _users(self, items: list[pytest.Item]) -> set[str]:
-        return {n for n in self.starts for item in items if _uses(item, n)}
+    def _start_ahead(self, name: str) -> ServerProcess:
+        ServerProcess.ahead.active = True
+        try:
+            return self.starts[name]()
+        finally:
+            ServerProcess.ahead.active = False
+
+    def prefetch(self, item: pytest.Item) -> None:
+        """Before ``item``: start the next server the tests from ``item`` on use, unless a start ahead is running or a
+        limit holds (checked again before the next test)."""
+        at = self.index.get(id(item))
+        if at is None or (self.ahead is not None and not self.ahead.done()):
+            return
+        upcoming = sorted((uses[bisect_left(uses, at)], n) for n, uses in self.uses.items()
+                          if n not in self.futures and uses and uses[-1] >= at)
+        started_unused = sum(1 for n in self.futures if n not in self.used)
+        if (not upcoming or started_unused >= self.AHEAD or len(self.futures) >= self.MAX_LIVE
+                or psutil.virtual_memory().available < self.MIN_AVAILABLE):
+            return
+        name = upcoming[0][1]
+        self.futures[name] = self.ahead = self.ahead_pool.submit(self._start_ahead, name)
+
+    def _settle(self, name: str, f: Future[ServerProcess]) -> None:
+        """Wait for ``name``'s start to end (up or failed), counting the wait against the running test's module."""
+        t0 = time.monotonic()
+        f.exception()
+        ServerProcess.waits.append(Wait(current_module(), name, time.monotonic() - t0))
 
     def get(self, name: str) -> ServerProcess:
-        if name not in self.futures:
-            # The first time: every shared server the session uses (but the lazy ones). Later (a lazy one, or a
-            # released one a rerun asks for): that one.
-            first = (self._users(self.session.items) - self.lazy) | {name}
-            for n in sorted(first if not self.futures else {name}):
-                if n not in self.futures:
-                    self.futures[n] = self.pool.submit(self.starts[n])
-            wait(list(self.futures.values()))
-        return self.futures[name].result()
+        self.used.add(name)
+        f = self.futures.get(name)
+        # Not started yet, or still queued behind another start ahead: start it now, beside that one.
+        if f is None or f.cancel():
+            self.futures[name] = self.pool.submit(self.starts[name])
+        self._settle(name, self.futures[name])
+        return self.futures[name].result()  # the start's error, if it failed
 
     def take(self, name: str) -> ServerProcess:
         """Hand ``name`` over to a test that ends it: the running one (no later test uses it, see
         ``_run_enders_after_last_use``), or a new one when it is gone (a rerun) or was never started."""
+        self.used.add(name)
         f = self.futures.pop(name, None)
-        if f is not None and f.exception() is None:
-            server = f.result()
-            if server.proc is not None and server.proc.poll() is None:
-                return server
-            server.kill()
+        if f is not None and not f.cancel():  # queued ahead and not begun: cancelled, started here
+            self._settle(name, f)
+            if f.exception() is None:
+                server = f.result()
+                if server.proc is not None and server.proc.poll() is None:
+                    return server
+                server.kill()
         return self.starts[name]()
 
     def release_unused(self, item: pytest.Item) -> None:
         """After ``item``'s module: kill the servers no later test uses (frees their memory). Not ``tito``: its
         fixture is session-scoped (cached), and most modules use it."""
-        items = self.session.items
-        later = items[items.index(item) + 1:] if item in items else items
-        needed = self._users(later) | {"tito"}
-        for name in [n for n in self.futures if n not in needed]:
+        at = self.index.get(id(item), -1)
+        needed = {n for n, uses in self.uses.items() if uses and uses[-1] > at} | {"tito"}
+        for name in [n for n in self.futures if n not in needed and self.futures[n].done()]:
             f = self.futures.pop(name)
             if f.exception() is None:
                 f.result().kill()
 
     def kill_all(self) -> None:
+        self.ahead_pool.shutdown(cancel_futures=True)
         for f in self.futures.values():
-            if f.exception() is None:
+            if not f.cancelled() and f.exception() is None:
                 f.result().kill()
         self.futures.clear()
         self.pool.shutdown()
 
 
 _SHARED: list[SharedServers] = []
+
+
+def _shared(session: pytest.Session, create: bool = True) -> SharedServers | None:
+    """The session's ``SharedServers``, made at the first test when any selected test uses a server (or when a
+    fixture asks): the tiny model written, every start known."""
+    if not _SHARED and (create or any(_uses(i, n) for i in session.items for n in (*_BUILTIN, *MODULE_SERVERS))):
+        factory = session.config._tmp_path_factory  # type: ignore[attr-defined]  # what tmp_path_factory returns
+        model = make_tiny_model(factory.mktemp("model") / "tiny-qwen3")
+        starts = _builtin_starts(factory, model)
+        for name, (_, start) in MODULE_SERVERS.items():
+            starts[name] = (lambda start=start: start(factory, model))  # type: ignore[misc]
+        _SHARED.append(SharedServers(session, starts, model))
+    return _SHARED[0] if _SHARED else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    shared = _shared(item.session, create=False)
+    if shared is not None:
+        shared.prefetch(item)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _SHARED:
+        _SHARED.pop().kill_all()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -273,9 +370,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _SHARED[0].release_unused(item)
 
 
-@pytest.fixture(scope="session")
-def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServers]:
+# The shared servers' names (``SharedServers``): a test uses one through the fixture of that name.
+_BUILTIN = ("tito", "long_tito", "lora_tito", "keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a")
+
+
+def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) \
+        -> dict[str, Callable[[], ServerProcess]]:
     # Several engine starts at once on two cores: each takes longer than alone.
     timeout = start_timeout(2.5)
 
@@ -363,25 +463,19 @@ def shared_servers(request: pytest.FixtureRequest, tiny_model: Path,
         return ServerProcess(vllm_cmd(tiny_model, port, tokens_only=False), port, log,
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
-    # vLLM's server is started when first asked for, alone: only test_vllm_compat*.py (near the end) use it, and an
-    # idle engine holds ~3 GB (its 1 GiB KV cache included) that the modules in between may need. The keyed server
-    # too: its users are test_client.py and test_security_e2e.py, started when the first of them asks for it; and the
-    # fuzzing one.
-    servers = SharedServers(request.session, {"tito": default, "long_tito": long, "lora_tito": lora,
-                                              "keyed_tito": keyed, "fuzz_tito": fuzz, "vllm_ref": vllm,
-                                              "sidecar_a": sidecar_replica("sidecar-a", False),
-                                              "sidecar_b": sidecar_replica("sidecar-b", True),
-                                              # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free
-                                              # ports on loopback).
-                                              "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0",
-                                                                     "--block-size", str(GRPC_BLOCK),
-                                                                     env={"VLLM_HOST_IP": "127.0.0.1"})},
-                            lazy=frozenset({"keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b",
-                                            "grpc_a"}))
-    _SHARED.append(servers)
-    yield servers
-    _SHARED.clear()
-    servers.kill_all()
+    return {"tito": default, "long_tito": long, "lora_tito": lora, "keyed_tito": keyed, "fuzz_tito": fuzz,
+            "vllm_ref": vllm, "sidecar_a": sidecar_replica("sidecar-a", False),
+            "sidecar_b": sidecar_replica("sidecar-b", True),
+            # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free ports on loopback).
+            "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0", "--block-size", str(GRPC_BLOCK),
+                                   env={"VLLM_HOST_IP": "127.0.0.1"})}
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request: pytest.FixtureRequest) -> SharedServers:
+    shared = _shared(request.session)
+    assert shared is not None
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,12 +36,25 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Start:
-    """One server start, for the suite's time summary (tests/budget.py): its log name, the test module whose setup
-    or test started it, and the seconds until its health path answered 200."""
+    """One server start, for the suite's time summary (tests/budget.py): its log name and the seconds until its
+    health path answered 200."""
 
     name: str
-    module: str
     seconds: float
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A test module waiting for a server to be up: the module, the server's log name, the seconds it waited (less
+    than the start's when the server was started ahead, tests/conftest.py's ``SharedServers``)."""
+
+    module: str
+    name: str
+    seconds: float
+
+
+def current_module() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
 
 
 class ServerProcess:
@@ -53,8 +67,12 @@ class ServerProcess:
     kernel shares the CPU task by task."""
 
     starts: list[Start] = []  # every healthy start of this run, in order
+    waits: list[Wait] = []  # what the tests waited for
     # Set by tests/conftest.py while a test runs: whether it is marked ``engine`` (None outside a test, e.g. scripts).
     engine_allowed: bool | None = None
+    # Set in the thread that starts servers ahead of the modules using them (tests/conftest.py): those starts belong to
+    # no test, whatever test runs meanwhile.
+    ahead = threading.local()
 
     def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
                  health_path: str = "/health") -> None:
@@ -72,11 +90,14 @@ class ServerProcess:
     def start(self, timeout: float = 240.0, on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
         """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
         answer of any status (a tito server is then still starting); what it returns is kept in ``first_answers``."""
-        if ServerProcess.engine_allowed is False:
+        ahead = getattr(ServerProcess.ahead, "active", False)
+        if ServerProcess.engine_allowed is False and not ahead:
             raise RuntimeError(f"a test not marked engine (pytest.mark.engine) started a server: {self.cmd[:4]}")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         t0 = time.monotonic()
-        module = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+        # Started by the test itself (not through SharedServers, which counts its own waits): the test waits for all of
+        # it.
+        waited_here = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(ROOT), process_group=0)
         deadline = time.monotonic() + timeout
@@ -92,7 +113,10 @@ class ServerProcess:
                         self.first_answers, on_answer = on_answer(self), None
                         continue
                     if r.status_code == 200:
-                        ServerProcess.starts.append(Start(self.log_path.stem, module, time.monotonic() - t0))
+                        seconds = time.monotonic() - t0
+                        ServerProcess.starts.append(Start(self.log_path.stem, seconds))
+                        if waited_here:
+                            ServerProcess.waits.append(Wait(current_module(), self.log_path.stem, seconds))
                         return self
                 except httpx.HTTPError:
                     pass

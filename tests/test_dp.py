@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import start_timeout, start_tito
+from tests.conftest import SharedServers, module_server, start_timeout, start_tito
 from tests.helpers import ServerProcess, free_port, metric_value
 from tests.sweep import fire, shapes
 
@@ -22,13 +22,17 @@ GEN = "/inference/v1/generate"
 BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temperature": 0}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@module_server("dp2")
+def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
     # Two engine cores (and a DP coordinator) start: twice the usual time on a busy machine.
-    s = start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", "--grpc-port", str(free_port()),
-                   "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2", timeout=start_timeout(2))
-    yield s
-    s.kill()
+    return start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", "--grpc-port", str(free_port()),
+                      "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2",
+                      timeout=start_timeout(2.5))
+
+
+@pytest.fixture(scope="module")
+def server(shared_servers: SharedServers) -> ServerProcess:
+    return shared_servers.get("dp2")
 
 
 @pytest.fixture

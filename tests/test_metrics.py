@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_tito
+from tests.conftest import SharedServers, module_server, start_tito
 from tests.helpers import (
     TIMING,
     ServerProcess,
@@ -36,8 +36,8 @@ PROMPT_LEN, MAX_TOKENS = 100, 1900
 CONTEXT = PROMPT_LEN + MAX_TOKENS + 96
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Iterator[ServerProcess]:
+@module_server("tito-metrics")
+def start_small(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
     """Two sequences at a time, so a handful of requests keeps some waiting for capacity; and a KV cache of 20 blocks
     of 128 tokens, room for one 2000-token request but not two, so the scheduler preempts under that load.
 
@@ -45,10 +45,13 @@ def small(tmp_path_factory) -> Iterator[ServerProcess]:
     the one engine of the suite that model directory costs nothing extra on; the metrics tests never use the eos."""
     model = eos_outside_vocabulary(long_context_model(tmp_path_factory.mktemp("metrics-model") / "tiny-long",
                                                       CONTEXT))
-    server = start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
-                        "--num-kv-blocks", "20", name="tito-metrics")
-    yield server
-    server.kill()
+    return start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
+                      "--num-kv-blocks", "20", name="tito-metrics")
+
+
+@pytest.fixture(scope="module")
+def small(shared_servers: SharedServers) -> ServerProcess:
+    return shared_servers.get("tito-metrics")
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from app.core.multimodal import (
 )
 from app.core.protocol import ApiError
 from app.tiny.vlm import FAKE_ID, GLOBAL_ID, IMAGE_ID, IMAGE_SEQ_LEN, make_tiny_vlm
-from tests.conftest import start_tito
+from tests.conftest import SharedServers, module_server, start_tito
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port
 from tests.sweep import fire, shapes
 from tests.test_generate import sse_events
@@ -148,38 +148,61 @@ def test_expanded_prompt_refused_and_ranges_normalized() -> None:
 # --------------------------------------------------------------------------------------------- real engines
 
 
+_FILES = threading.Lock()
+
+
+def vlm_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny VLM and the media directory, written once: by the first of the module's two server starts (started
+    ahead, tests/conftest.py) or fixtures to run."""
+    root = tmp_path_factory.getbasetemp() / "multimodal"
+    vlm, media = root / "tiny-idefics3", root / "media"
+    with _FILES:
+        if not (root / "written").exists():
+            make_tiny_vlm(vlm)
+            media.mkdir(parents=True, exist_ok=True)
+            (media / "teal.png").write_bytes(png("teal"))
+            (root / "written").touch()
+    return vlm, media
+
+
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3")
+    return vlm_files(tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("media")
-    (d / "teal.png").write_bytes(png("teal"))
-    return d
+    return vlm_files(tmp_path_factory)[1]
 
 
-@pytest.fixture(scope="module")
-def tito_vlm(vlm: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_tito(tmp_path_factory, vlm, "--max-model-len", "512", "--max-media-bytes", str(MAX_MEDIA_BYTES),
-                        "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir),
-                        name="tito-vlm")
-    yield server
-    server.kill()
+@module_server("tito-vlm")
+def start_tito_vlm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
+    vlm, media = vlm_files(tmp_path_factory)
+    return start_tito(tmp_path_factory, vlm, "--max-model-len", "512", "--max-media-bytes", str(MAX_MEDIA_BYTES),
+                      "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media),
+                      name="tito-vlm")
 
 
-@pytest.fixture(scope="module")
-def vllm_vlm(vlm: Path, tmp_path_factory: pytest.TempPathFactory, tito_vlm: ServerProcess) -> Iterator[str]:
-    # After tito (never two engine starts at once); not --tokens-only: multimodal needs the processor.
+@module_server("vllm-vlm")
+def start_vllm_vlm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
+    # Not --tokens-only: multimodal needs the processor.
+    vlm, _ = vlm_files(tmp_path_factory)
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vlm), "--dtype", "float32",
            "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(port),
            "--enable-scale-out"]
-    server = ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "vllm-vlm.log", env=engine_env())
-    server.start(timeout=600)
-    yield server.url
-    server.kill()
+    return ServerProcess(cmd, port, tmp_path_factory.mktemp("logs") / "vllm-vlm.log", env=engine_env()).start(
+        timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tito_vlm(shared_servers: SharedServers) -> ServerProcess:
+    return shared_servers.get("tito-vlm")
+
+
+@pytest.fixture(scope="module")
+def vllm_vlm(shared_servers: SharedServers) -> str:
+    return shared_servers.get("vllm-vlm").url
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from app.tiny.model import TINY_CONFIG, make_tiny_model, tiny_state_dict
-from tests.conftest import start_tito
+from tests.conftest import SharedServers, module_server, start_tito
 from tests.helpers import ServerProcess, greedy_answer, metric_value
 from tests.rl_steps import GEN, PROMPTS, greedy, write_step
 from tests.streaming import read_stream
@@ -34,15 +34,18 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("seeded")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, root: Path) -> Iterator[ServerProcess]:
+@module_server("seeded")
+def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
     """40 KV blocks of 128 tokens (5120 tokens): one full-context request fits, eight long ones do not."""
-    base = make_tiny_model(root / "rope-base")
+    base = make_tiny_model(tmp_path_factory.mktemp("seeded-model") / "rope-base")
     (base / "config.json").write_text(json.dumps(ROPE))
-    srv = start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--num-kv-blocks", "40",
-                     name="seeded")
-    yield srv
-    srv.kill()
+    return start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--num-kv-blocks", "40",
+                      name="seeded")
+
+
+@pytest.fixture(scope="module")
+def server(shared_servers: SharedServers) -> ServerProcess:
+    return shared_servers.get("seeded")
 
 
 @pytest.fixture(scope="module")
