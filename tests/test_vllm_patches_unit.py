@@ -128,3 +128,43 @@ def test_prompt_rows_that_are_not_a_slice_fail_loudly() -> None:
     assert vllm_patches.row_of(hidden[2:5], hidden) == 2
     with pytest.raises(RuntimeError, match="not a slice"):
         vllm_patches.row_of(hidden[2:5].clone(), hidden)
+
+
+def test_cpu_queue_reader_sleeps_soon_after_a_message() -> None:
+    """vLLM's shared-memory queue, as the worker reads the scheduler's steps from it: after a message, a reader that
+    waits for the next one sleeps on its notify socket within the CPU window instead of spinning for a second (vLLM's
+    own constructor still sets the one-second window)."""
+    import threading
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast as shm
+
+    writer = shm.MessageQueue(1, 1)
+    readers: list[Any] = []
+    joined = threading.Thread(target=lambda: readers.append(shm.MessageQueue.create_from_handle(
+        writer.export_handle(), 0)) or readers[0].wait_until_ready())
+    joined.start()
+    writer.wait_until_ready()
+    joined.join(30)
+    reader = readers[0]
+    assert reader._spin_condition.busy_loop_s == vllm_patches.spin_window_s() < 1
+    poller = reader._spin_condition.poller
+    sleeps: list[float] = []
+    poll = poller.poll
+    poller.poll = lambda timeout=None: sleeps.append(time.monotonic()) or poll(timeout)
+    writer.enqueue("step")
+    assert reader.dequeue(timeout=10) == "step"
+    read = time.monotonic()
+    with pytest.raises(TimeoutError):
+        reader.dequeue(timeout=0.5)
+    # Asleep well within the half second (the window is 10 ms; vLLM's spins past the whole wait).
+    assert sleeps and sleeps[0] - read < 0.25, sleeps
+    writer.enqueue("next")  # and a sleeping reader is woken by the next message
+    assert reader.dequeue(timeout=10) == "next"
+
+    import zmq
+
+    unpatched = shm.SpinCondition.__new__(shm.SpinCondition)
+    shm.SpinCondition.__init__.__wrapped__(unpatched, True, zmq.Context.instance(),  # type: ignore[attr-defined]
+                                           "inproc://tito-unpatched-spin")
+    assert unpatched.busy_loop_s == 1

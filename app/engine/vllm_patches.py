@@ -17,6 +17,13 @@ the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/l
    weights with the index ``-1`` of a base-model row, which selects the *last* adapter slot. Once every slot holds an
    adapter, base requests sharing a step with adapter requests get that adapter. The fix leaves ``-1`` rows untouched,
    as the Triton kernels do (they return early on ``-1``).
+3. The worker's busy wait on CPU (vLLM pull requests 51950 and 52814, which make it configurable as
+   ``VLLM_SHM_BROADCAST_BUSY_LOOP_S``): a reader of vLLM's shared-memory queue spins (``sched_yield``) for a hard-coded
+   second after every message before it sleeps on its notify socket. On a GPU server that is a spare core traded for
+   latency; on the CPU platform the worker spins on the very cores the engine core, the API server and the model's
+   threads share: after every burst of requests it burns a whole core for a second (10 short requests 2 s apart: 10.6
+   CPU-s in the worker against 0.6 in the two other processes). On CPU the window is ``CPU_SPIN_S`` (longer than the
+   gap between two steps of a running batch, so decoding never sleeps), or that variable's value when it is set.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ def install() -> list[str]:
     _applied.append("prompt-logprobs-per-token-lora (vLLM #16668, #17766, #51594)")
     _patch_cpu_no_lora_rows()
     _applied.append("cpu-lora-no-adapter-rows (vLLM #48421)")
+    if _patch_cpu_busy_wait():
+        _applied.append(f"cpu-worker-busy-wait-{spin_window_s()}s (vLLM #51950, #52814)")
     log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
@@ -230,3 +239,41 @@ def _skipping_no_lora_rows(op: Callable[..., None]) -> Callable[..., None]:
 
     setattr(fixed, _MARK, True)
     return fixed
+
+
+# ------------------------------------------------------------------------------------------ 3. CPU busy wait
+
+# Seconds a reader of the shared-memory queue spins after a message before it sleeps (vLLM: 1): well above the gap
+# between two engine steps of a running batch on CPU (well under a millisecond to a few), far below a second.
+CPU_SPIN_S = 0.01
+SPIN_ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
+
+
+def spin_window_s() -> float:
+    """The busy-wait window: ``VLLM_SHM_BROADCAST_BUSY_LOOP_S`` when set (the name upstream's fix reads), else
+    ``CPU_SPIN_S``."""
+    value = os.environ.get(SPIN_ENV)
+    return CPU_SPIN_S if value is None or value.strip() == "" else float(value)
+
+
+def _patch_cpu_busy_wait() -> bool:
+    """vLLM pull requests 51950 / 52814: the shared-memory queue's readers spin a hard-coded second; on the CPU
+    platform only. Applied before the worker creates its queues (this module loads with the worker extension)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    cls = shm_broadcast.SpinCondition
+    original = cls.__init__
+    if getattr(original, _MARK, False):
+        return True
+    window = spin_window_s()
+
+    @functools.wraps(original)
+    def __init__(self: Any, is_reader: bool, context: Any, notify_address: str, busy_loop_s: float = 1) -> None:
+        original(self, is_reader, context, notify_address, busy_loop_s=min(busy_loop_s, window))
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return True
