@@ -26,8 +26,12 @@ SECTIONS = ("global", "install", ":env:")
 
 def pip_settings() -> dict[str, str]:
     """pip's effective value of each option uv needs (`pip config list`: every file pip reads, and PIP_*)."""
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                         check=True).stdout
+    return parse_pip_config(subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                                           text=True, check=True).stdout)
+
+
+def parse_pip_config(out: str) -> dict[str, str]:
+    """`pip config list`'s lines (``global.find-links='/opt/wheels'``, ``:env:.find-links='...'``) -> option: value."""
     found: dict[tuple[str, str], str] = {}
     for line in out.splitlines():
         key, sep, value = line.partition("=")

@@ -1,0 +1,45 @@
+"""scripts/uv_pip.py: pip's configured sources handed to uv as flags (the Makefile installs through it)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from tests.helpers import ROOT
+
+
+def _uv_pip() -> Any:
+    spec = importlib.util.spec_from_file_location("tito_uv_pip", ROOT / "scripts" / "uv_pip.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pip_config_becomes_uv_flags_with_pips_precedence() -> None:
+    uv_pip = _uv_pip()
+    settings = uv_pip.parse_pip_config(
+        ":env:.find-links='/opt/env-wheels'\n"
+        ":env:.cert='/etc/ssl/certs/ca.crt'\n"
+        "global.constraint='/etc/xdg/pip/constraints.txt'\n"
+        "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'\n"
+        "global.find-links='/opt/wheels'\n"
+        "install.find-links='/opt/install-wheels'\n"
+        "global.timeout='60'\n")
+    # PIP_* variables win over [install], which wins over [global]; options uv has no flag for are left out.
+    assert settings == {"find-links": "/opt/env-wheels", "constraint": "/etc/xdg/pip/constraints.txt",
+                        "extra-index-url": "file:///opt/pypi/simple file:///opt/pypi-more/simple"}
+    flags = uv_pip.uv_flags(settings)
+    pairs = list(zip(flags[::2], flags[1::2], strict=True))
+    assert ("--extra-index-url", "file:///opt/pypi/simple") in pairs
+    assert ("--extra-index-url", "file:///opt/pypi-more/simple") in pairs
+    assert ("--find-links", "/opt/env-wheels") in pairs and ("--constraint", "/etc/xdg/pip/constraints.txt") in pairs
+    # Several sources: the best release across all of them, as pip picks, not the first index's.
+    assert ("--index-strategy", "unsafe-best-match") in pairs
+
+
+def test_no_pip_config_adds_no_flags() -> None:
+    uv_pip = _uv_pip()
+    assert uv_pip.parse_pip_config("") == {} and uv_pip.uv_flags({}) == []
+    assert uv_pip.uv_flags({"index-url": "https://example.invalid/simple"}) == [
+        "--index-url", "https://example.invalid/simple"]
