@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import signal
 import socket
@@ -18,6 +20,18 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def script_module(name: str) -> Any:
+    """``scripts/<name>.py`` as a module, loaded once (scripts/ is not a package). It is registered in sys.modules
+    as ``tito_script_<name>``: dataclasses resolve their module's annotations through it."""
+    spec = importlib.util.spec_from_file_location(f"tito_script_{name}", ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, engine_env
+from tests.helpers import ROOT, ServerProcess, engine_env, script_module
 
 
 @pytest.mark.engine
@@ -52,7 +50,7 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: Ser
     assert doc["rounds"][0]["tito"]["stream64x64"]["tokens"] == 4 * 2 * 8
     assert summary["cold_errors"] == {"inprocess": 0, "tito": 0, "matched": 0}
     # The matched run burned, per workload, what tito's HTTP layer and client added over the in-process system.
-    bench = _bench_module()
+    bench = script_module("bench")
     r0 = doc["rounds"][0]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
         want = bench.extra_cores(r0["tito"][wl], r0["inprocess"][wl])
@@ -65,20 +63,9 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: Ser
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@functools.cache
-def _bench_module() -> Any:
-    """scripts/bench.py as a module (loaded once: it is not a package)."""
-    spec = importlib.util.spec_from_file_location("tito_bench", ROOT / "scripts" / "bench.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tito_bench"] = mod  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _loadgen_module() -> Any:
     """scripts/loadgen.py, the load generator bench.py imports (loading bench.py puts scripts/ on the path)."""
-    _bench_module()
+    script_module("bench")
     import loadgen
 
     return loadgen
@@ -150,7 +137,7 @@ def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:
     the ``with`` block's start: the burner is past its interpreter's start-up by then)."""
     import psutil
 
-    bench = _bench_module()
+    bench = script_module("bench")
     with bench.Burner(0.5) as burner:
         assert len(burner.procs) == 1
         proc = psutil.Process(burner.procs[0].pid)

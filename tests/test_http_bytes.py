@@ -14,7 +14,6 @@ weight-version spans and cached-token counts so the general answer forms are cov
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import re
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from prometheus_client import REGISTRY
 
 from app.core.settings import Settings
 from tests.fake_engine import FakeEngine, FakeOutput, until
-from tests.helpers import ROOT
+from tests.helpers import script_module
 from tests.security_checks import GOLDEN, HOSTILE_NUMBERS, HOSTILE_RAW
 from tests.test_bad_input import CASES as BAD_INPUT
 from tito.main import create_app
@@ -356,10 +355,7 @@ async def test_the_writer_script_reproduces_the_golden_file() -> None:
     """scripts/write_golden.py (the only writer of the file) renders it byte for byte from the route's answers. The
     answers themselves are ``test_answer_is_byte_identical``'s (every case, field for field): here each case's
     answer is the pinned one, so what is tested is the rest, the cases the script renders and how it writes them."""
-    spec = importlib.util.spec_from_file_location("write_golden", ROOT / "scripts" / "write_golden.py")
-    assert spec is not None and spec.loader is not None
-    writer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(writer)
+    writer = script_module("write_golden")
     golden = _load()
     pinned = {id(req): golden[name] for name, _, req in CASES}
 

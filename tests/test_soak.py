@@ -9,29 +9,18 @@ carry no ``seed`` (see scripts/soak.py). Runs on the shared server and leaves it
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.tiny.model import make_tiny_model
-from tests.helpers import ROOT, ServerProcess
-
-
-def _soak_module():  # noqa: ANN202 - the script's module
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import ServerProcess, script_module
 
 
 @pytest.mark.engine
 def test_short_soak_loses_nothing(tito: ServerProcess, tiny_model: Path, tmp_path: Path) -> None:
-    soak = _soak_module()
+    soak = script_module("soak")
     other = make_tiny_model(tmp_path / "ckpt-b", seed=1)
     try:
         rep = asyncio.run(soak.soak(tito.url, [str(tiny_model), str(other)], updates=4, streams=32, batch=16,
@@ -47,7 +36,7 @@ def test_short_soak_loses_nothing(tito: ServerProcess, tiny_model: Path, tmp_pat
 
 
 def test_spans_audit_catches_bad_spans() -> None:
-    soak = _soak_module()
+    soak = script_module("soak")
     order = ["default", "soak-1", "soak-2"]
     good = [{"version": "default", "start": 0, "end": 3}, {"version": "soak-2", "start": 3, "end": 5}]
     assert soak.spans_problem(good, 5, order) is None

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
-from tests.helpers import ROOT
-
-
-def _uv_pip() -> Any:
-    spec = importlib.util.spec_from_file_location("tito_uv_pip", ROOT / "scripts" / "uv_pip.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import script_module
 
 
 def test_pip_config_becomes_uv_flags_with_pips_precedence() -> None:
-    uv_pip = _uv_pip()
+    uv_pip = script_module("uv_pip")
     settings = uv_pip.parse_pip_config(
         ":env:.find-links='/opt/env-wheels'\n"
         ":env:.cert='/etc/ssl/certs/ca.crt'\n"
@@ -39,7 +28,7 @@ def test_pip_config_becomes_uv_flags_with_pips_precedence() -> None:
 
 
 def test_no_pip_config_adds_no_flags() -> None:
-    uv_pip = _uv_pip()
+    uv_pip = script_module("uv_pip")
     assert uv_pip.parse_pip_config("") == {} and uv_pip.uv_flags({}) == []
     assert uv_pip.uv_flags({"index-url": "https://example.invalid/simple"}) == [
         "--index-url", "https://example.invalid/simple"]
