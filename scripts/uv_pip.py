@@ -10,7 +10,6 @@ install` would resolve different releases than `pip install`: this passes pip's 
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import subprocess
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> int:
         # pip compiles bytecode at install time; uv does not by default, and with PYTHONDONTWRITEBYTECODE set (as here)
         # every process would then compile vLLM's and torch's sources again at import.
         cmd += ["--compile-bytecode", *uv_flags(pip_settings())]
-    return subprocess.run([*cmd, *rest], env=os.environ).returncode
+    return subprocess.run([*cmd, *rest]).returncode
 
 
 if __name__ == "__main__":
