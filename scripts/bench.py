@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     if ns._inprocess:  # worker: the engine in-process
+        from app.engine.process_start import reexec_with_preload
+
+        reexec_with_preload("fork")  # as `tito serve` does: the engine's processes forked, not spawned
         model, spec = ns._inprocess
         job = json.loads(spec)
         print(json.dumps(inprocess_main(model, [Workload(**w) for w in job["workloads"]], job["burn"])))

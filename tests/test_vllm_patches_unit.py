@@ -168,3 +168,43 @@ def test_cpu_queue_reader_sleeps_soon_after_a_message() -> None:
     shm.SpinCondition.__init__.__wrapped__(unpatched, True, zmq.Context.instance(),  # type: ignore[attr-defined]
                                            "inproc://tito-unpatched-spin")
     assert unpatched.busy_loop_s == 1
+
+
+
+_AMX_PROBE = """
+import ctypes, json
+from app.engine import vllm_patches
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+def tile_permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is XTILEDATA, AMX's tile state
+    bits = ctypes.c_uint64(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(bits)) == 0, ctypes.get_errno()
+    return bool(bits.value >> 18 & 1)
+
+before = tile_permitted()
+asked = vllm_patches.request_amx_permission()
+print(json.dumps({"before": before, "asked": asked, "after": tile_permitted()}))
+"""
+
+
+def test_a_worker_may_run_vllms_amx_attention_kernel() -> None:
+    """vLLM picks its AMX attention kernel for bfloat16 on an AMX CPU, yet a fresh process (a spawned worker) has no
+    AMX permission from Linux until something asks (vLLM does not: the worker dies of SIGILL at its first forward);
+    tito's fix asks."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU")
+    assert _get_attn_isa(torch.bfloat16, 128) == "amx"
+    assert "cpu-amx-permission" in vllm_patches.install()
+    out = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"before": False, "asked": True, "after": True}

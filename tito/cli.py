@@ -56,6 +56,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
     settings = Settings.from_args(ns)
+    if getattr(ns, "own_process", False):
+        from app.engine.process_start import reexec_with_preload
+
+        reexec_with_preload(settings.engine_start)  # before PyTorch is imported; see app/engine/process_start.py
     _setup_logging(settings.log_level, settings.log_format)
     if not os.path.isdir(settings.model):
         print(f"tito: model directory {settings.model!r} does not exist "
@@ -127,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.own_process = argv is None  # the command line is this process's own: `serve` may re-execute it
     return int(ns.func(ns))
 
 

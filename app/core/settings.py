@@ -66,6 +66,11 @@ class Settings:
     kv_events_port: int | None = flag(
         None, "Publish KV-cache events (vLLM's ZMQ publisher) on this port, data-parallel rank r on port+r (replay "
         "buffer on port+DP+r), for Dynamo's KV router and gRPC SubscribeKvEvents; 0 picks free ports. Unset: off.")
+    engine_start: str = flag(
+        "fork", "CPU: how the engine core and worker processes start. fork: from the server process, sharing its "
+        "imports (about half the start time and CPU of spawn); `tito serve` restarts itself once at launch with the "
+        "libraries vLLM preloads into its processes. spawn: vLLM's CPU default, each process imports vLLM anew. "
+        "Other platforms: vLLM's choice.", choices=("fork", "spawn"))
     enable_lora: bool = flag(False, "Serve LoRA adapters.")
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
     max_loras: int = flag(4, "LoRA adapters in one batch.")

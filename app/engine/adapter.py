@@ -17,6 +17,7 @@ from app.core.settings import Settings
 from app.engine.errors import EngineDead, EngineRejected, translate
 from app.engine.multimodal import MultimodalInputs, ships_processor
 from app.engine.multimodal import engine_kwargs as mm_engine_kwargs
+from app.engine.process_start import fork_refusal, use_fork
 from app.engine.worker_calls import WorkerCalls
 
 if TYPE_CHECKING:
@@ -245,11 +246,25 @@ class Engine(WorkerCalls):
 
     @classmethod
     def start(cls, settings: Settings) -> Engine:
-        """Build the engine (spawns EngineCore processes; ~20 s on CPU). Blocking: call from a thread."""
+        """Build the engine (starts its EngineCore and worker processes; ~20 s on CPU). Blocking: call from a thread."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.monotonic()
-        llm = AsyncLLM.from_engine_args(engine_args(settings))
+        args = engine_args(settings)
+        config = args.create_engine_config()  # the CPU platform sets ``spawn`` for the engine's processes here
+        if on_cpu():
+            if refusal := fork_refusal(settings.engine_start):
+                log.info("engine processes spawned (%s)", refusal)
+            else:
+                # Forked children inherit what this process imported and patched: tito's vLLM fixes, applied here
+                # once, reach the engine core as well as the worker (app/engine/process_start.py).
+                from app.engine.vllm_patches import install as install_vllm_patches
+
+                install_vllm_patches()
+                use_fork()
+                log.info("engine processes forked from this one (--engine-start fork)")
+        llm = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                        disable_log_stats=args.disable_log_stats)
         # vLLM re-reads os.environ on every ``envs.X`` lookup, several times per engine step in the output handler
         # (~6% of this process's CPU under load); the engine processes already cache them after start-up.
         from vllm.envs import enable_envs_cache

@@ -1,4 +1,6 @@
-"""tito's fixes to vLLM 0.32, applied inside the engine's worker processes (from ``app/engine/worker.py``).
+"""tito's fixes to vLLM 0.32, applied inside the engine's worker processes (from ``app/engine/worker.py``), and, when
+the engine's processes are forked (CPU, ``app/engine/process_start.py``), in the server process before it forks them, so
+the engine core has them too.
 
 Each fix names the upstream vLLM issue or pull request it stands in for and is applied only on the vLLM versions it
 was written against (``SUPPORTED``): on another version nothing is patched and a warning says so, since the code
@@ -24,6 +26,11 @@ the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/l
    threads share: after every burst of requests it burns a whole core for a second (10 short requests 2 s apart: 10.6
    CPU-s in the worker against 0.6 in the two other processes). On CPU the window is ``CPU_SPIN_S`` (longer than the
    gap between two steps of a running batch, so decoding never sleeps), or that variable's value when it is set.
+4. AMX on CPU (no upstream report found): a process must ask Linux for the AMX tile state (``arch_prctl``
+   ``ARCH_REQ_XCOMP_PERM``) before its first tile instruction. vLLM's CPU attention picks its AMX kernel for bfloat16
+   when ``torch.cpu._is_amx_tile_supported()`` (the CPU's flags only) and never asks, so on an AMX Xeon the worker
+   dies of SIGILL at its first forward in bfloat16. The fix asks once per process (PyTorch's ``_init_amx``); the
+   permission is inherited by forked children.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ def install() -> list[str]:
     import vllm
 
     if os.environ.get(ENV, "1") == "0":
-        log.warning("%s=0: vLLM's LoRA prompt-logprobs and CPU no-adapter fixes are NOT applied", ENV)
+        log.warning("%s=0: tito's fixes to vLLM (LoRA prompt logprobs, CPU no-adapter rows, CPU busy wait, AMX "
+                    "permission) are NOT applied", ENV)
         return []
     if not vllm.__version__.startswith(SUPPORTED):
         log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
@@ -63,6 +71,8 @@ def install() -> list[str]:
     _applied.append("cpu-lora-no-adapter-rows (vLLM #48421)")
     if _patch_cpu_busy_wait():
         _applied.append(f"cpu-worker-busy-wait-{spin_window_s()}s (vLLM #51950, #52814)")
+    if request_amx_permission():
+        _applied.append("cpu-amx-permission")
     log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
@@ -277,3 +287,15 @@ def _patch_cpu_busy_wait() -> bool:
     setattr(__init__, _MARK, True)
     cls.__init__ = __init__  # type: ignore[method-assign]
     return True
+
+
+# ------------------------------------------------------------------------------------------ 4. AMX permission
+
+
+def request_amx_permission() -> bool:
+    """On the CPU platform, ask Linux for the AMX tile state when the CPU has AMX (vLLM's AMX attention kernel
+    assumes it was asked)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu() and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
