@@ -49,7 +49,8 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 # A trainer's own clients in a venv of their own, outside the checkout so every clone (CI's too) reuses it; the tests
 # skip that trainer's checks when it is missing. $(1): the target (`make $(1)`, and `make $(1)-bg`); $(2): the prefix of
 # its variables (_VENV, _PYTHON, _REQS: the pinned list, installed with --no-deps; _IMPORTS: what the build imports at
-# the end, so that a missing pin fails the build, not the tests; _NAME: for messages). The stamp carries the list's
+# the end, so that a missing pin fails the build, not the tests, and so that the bytecode of what the clients import
+# is written then, instead of compiling the whole venv: ~75 CPU-seconds less for SkyRL's; _NAME: for messages). The stamp carries the list's
 # hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not. `make test` starts the build
 # first, in the background (`$(1)-bg`), beside the main venv's install, lint and the suite; the test module waits for
 # it. TITO_$(2)_BUILD: the build's log; .pid its process, .rc its exit status once it ends.
@@ -62,8 +63,8 @@ export TITO_$(2)_BUILD := $$($(2)_BUILD)
 $$($(2)_STAMP): | $(BIN)/uv
 	mkdir -p $$(dir $$($(2)_VENV))
 	$$($(2)_PYTHON) -m venv --clear $$($(2)_VENV)
-	$$(UV_PIP) $$($(2)_VENV)/bin/python install --no-deps -r $$($(2)_REQS)
-	$$($(2)_VENV)/bin/python -c "import $$($(2)_IMPORTS)"
+	$$(UV_PIP) $$($(2)_VENV)/bin/python install --no-compile-bytecode --no-deps -r $$($(2)_REQS)
+	PYTHONDONTWRITEBYTECODE= $$($(2)_VENV)/bin/python -c "import $$($(2)_IMPORTS)"
 	touch $$($(2)_VENV)/.installed $$@
 
 $(1): $$($(2)_STAMP)

@@ -63,12 +63,18 @@ def main(argv: list[str]) -> int:
     if uv is None:
         print("uv_pip.py: uv is not installed (pip install uv)", file=sys.stderr)
         return 2
+    return subprocess.run(uv_command(uv, python, command, rest)).returncode
+
+
+def uv_command(uv: str, python: str, command: str, rest: list[str]) -> list[str]:
     cmd = [uv, "pip", command, "--python", python, "--quiet"]
     if command == "install":
         # pip compiles bytecode at install time; uv does not by default, and with PYTHONDONTWRITEBYTECODE set (as here)
-        # every process would then compile vLLM's and torch's sources again at import.
-        cmd += ["--compile-bytecode", *uv_flags(pip_settings())]
-    return subprocess.run([*cmd, *rest]).returncode
+        # every process would then compile vLLM's and torch's sources again at import. `--no-compile-bytecode` (uv's
+        # own flag) skips it: for a venv whose few users' imports are compiled another way (the Makefile's client
+        # venvs).
+        cmd += [*([] if "--no-compile-bytecode" in rest else ["--compile-bytecode"]), *uv_flags(pip_settings())]
+    return [*cmd, *rest]
 
 
 if __name__ == "__main__":

@@ -32,3 +32,13 @@ def test_no_pip_config_adds_no_flags() -> None:
     assert uv_pip.parse_pip_config("") == {} and uv_pip.uv_flags({}) == []
     assert uv_pip.uv_flags({"index-url": "https://example.invalid/simple"}) == [
         "--index-url", "https://example.invalid/simple"]
+
+
+def test_install_compiles_bytecode_unless_asked_not_to() -> None:
+    uv_pip = script_module("uv_pip")
+    full = uv_pip.uv_command("uv", "py", "install", ["-r", "reqs.txt"])
+    assert full[:6] == ["uv", "pip", "install", "--python", "py", "--quiet"] and "--compile-bytecode" in full
+    assert full[-2:] == ["-r", "reqs.txt"]
+    lean = uv_pip.uv_command("uv", "py", "install", ["--no-compile-bytecode", "-r", "reqs.txt"])
+    assert "--compile-bytecode" not in lean and "--no-compile-bytecode" in lean
+    assert "--compile-bytecode" not in uv_pip.uv_command("uv", "py", "uninstall", ["torchvision"])

@@ -1,7 +1,7 @@
 """How the engine's processes start on CPU: forked from the server process, not spawned.
 
 vLLM's CPU platform starts the engine core and its worker with ``spawn``, so each imports vLLM, PyTorch and
-transformers anew: two thirds of a start (tiny model: 53 s to healthy and 50 CPU-s spawned, 31 s and 23 CPU-s forked).
+transformers anew: half of a start (tiny model, 2 cores: 34 s to healthy and 34 CPU-s spawned, 20 s and 18 forked).
 Forked, they share the server process's imports, and tito's fixes to vLLM applied there reach the engine core too.
 
 What ``spawn`` gave the children that a fork must give them another way:
@@ -26,14 +26,11 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import importlib.util
-import logging
 import os
 import platform
 import socket
 import stat
 import sys
-
-log = logging.getLogger("tito.engine")
 
 _REEXEC_MARK = "TITO_PRELOAD_REEXEC"
 _OMP_LIBS = ("libomp", "libgomp", "libiomp")
