@@ -50,10 +50,11 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-cpu
 # skip that trainer's checks when it is missing. $(1): the target (`make $(1)`, and `make $(1)-bg`); $(2): the prefix of
 # its variables (_VENV, _PYTHON, _REQS: the pinned list, installed with --no-deps; _IMPORTS: what the build imports at
 # the end, so that a missing pin fails the build, not the tests, and so that the bytecode of what the clients import
-# is written then, instead of compiling the whole venv: ~75 CPU-seconds less for SkyRL's; _NAME: for messages). The stamp carries the list's
-# hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not. `make test` starts the build
-# first, in the background (`$(1)-bg`), beside the main venv's install, lint and the suite; the test module waits for
-# it. TITO_$(2)_BUILD: the build's log; .pid its process, .rc its exit status once it ends.
+# is written then, instead of compiling the whole venv: ~75 CPU-seconds less for SkyRL's; _NAME: for messages). The
+# stamp carries the list's hash: a new list rebuilds the venv (--clear), a fresh clone of the same list does not.
+# `make test` starts the build first, in the background (`$(1)-bg`), beside the main venv's install, lint and the
+# suite; the test module waits for it. TITO_$(2)_BUILD: the build's log; .pid its process, .rc its exit status once
+# it ends.
 define client_venv
 $(2)_STAMP := $$($(2)_VENV)/.installed-$$(firstword $$(shell sha256sum $$($(2)_REQS)))
 export TITO_$(2)_VENV := $$(abspath $$($(2)_VENV))

@@ -33,7 +33,8 @@ def test_preload_is_the_one_vllms_cpu_platform_sets(tiny_model: Path, monkeypatc
 
     if not on_cpu():
         pytest.skip("vLLM sets no preload off the CPU platform")
-    # vLLM edits os.environ while it builds the config; monkeypatch puts every variable back afterwards.
+    # vLLM edits os.environ while it builds the config; monkeypatch puts every variable back afterwards (set first so
+    # that one absent before is recorded too, and removed again).
     for name in ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
                  "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "LOCAL_WORLD_SIZE",
                  "VLLM_SSM_CONV_STATE_LAYOUT", "VLLM_CPU_KVCACHE_SPACE"):
