@@ -321,7 +321,9 @@ class _Stream:
                     if not out.token_ids and out.finish_reason is None:
                         continue
                     if (plain is not None and out.finish_reason is None and out.weight_versions is None
-                            and prompt_ids is None and mm_placeholders is None):
+                            and prompt_ids is None and mm_placeholders is None
+                            and getattr(out, "sampling_mask", None) is None
+                            and getattr(out, "routed_experts", None) is None):
                         parts = plain[i] or plain_event_parts(request_id, i)
                         plain[i] = parts
                         await send({"type": "http.response.body", "body": parts[0] + orjson.dumps(out.token_ids)

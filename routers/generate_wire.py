@@ -66,6 +66,12 @@ def spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
     return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
 
 
+def sampling_mask(output: CompletionOutput) -> list[list[int]] | None:
+    """vLLM's ``--return-sampling-mask``: per sampled token, the ids its processed distribution kept."""
+    mask = getattr(output, "sampling_mask", None)
+    return None if mask is None else [list(ids) for ids in mask.token_ids]
+
+
 def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
     return {
         "index": output.index,
@@ -73,7 +79,7 @@ def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -
         "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids),
         "routed_experts": routed_experts_b64(getattr(output, "routed_experts", None)),
-        "sampling_mask": None,
+        "sampling_mask": sampling_mask(output),
         "weight_versions": spans(output),
         "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)
                      if num_logprobs is not None else None),

@@ -147,7 +147,6 @@ def _serve(system: str, port: int, extra: list[str], sock: Any) -> None:
     import uvicorn
     import vllm.sampling_params  # noqa: F401 - imported once the real engine is up; never inside a measured request
 
-    from app.core.settings import Settings
     from tito.main import create_app
 
     engine = _bench_engine()
@@ -155,10 +154,9 @@ def _serve(system: str, port: int, extra: list[str], sock: Any) -> None:
         app = bare_app(engine)
     else:
         argv = ["--model", "/models/fake", "--port", str(port), "--warmup", "false", *extra]
-        from tito.cli import build_parser
+        from app.engine.vllm_args import parse_serve
 
-        ns = build_parser().parse_args(["serve", *argv])
-        app = create_app(Settings.from_args(ns), engine=engine)
+        app = create_app(parse_serve(argv), engine=engine)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
                             access_log=False, timeout_keep_alive=120)
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -24,9 +24,51 @@ REFERENCE = ROOT / "docs" / "reference"
 
 
 def flags_block() -> str:
-    from app.core.settings import flags_markdown
+    from app.core.settings import FLAGS, flags_markdown
+    from app.engine.vllm_args import vllm_defaults
 
-    return flags_markdown()
+    theirs = vllm_defaults()
+    return flags_markdown({f.name: theirs[f.name] for f in FLAGS if f.name in theirs})
+
+
+def vllm_args_block() -> str:
+    """vLLM's own `vllm serve` arguments, group by group, and where tito sends each."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from app.core.settings import FLAGS
+    from app.engine.vllm_args import HANDLER_OPTIONS, REFUSED, SERVER_OPTIONS, serve_parser
+
+    engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    tito = {f.name for f in FLAGS}
+    rows = ["| group | arguments | in tito |", "|---|---|---|"]
+    for group in serve_parser()._action_groups:
+        if group.title == "tito":
+            continue
+        by_use: dict[str, list[str]] = {}
+        for a in group._group_actions:
+            if not a.option_strings or a.dest == "help":
+                continue
+            name = f"`{a.option_strings[0]}`"
+            if a.dest in REFUSED:
+                use = f"refused at start: {REFUSED[a.dest]}"
+            elif a.dest in tito:
+                use = "tito's flag of the same name (above)"
+            elif a.dest == "api_server_count":
+                use = "1 only: tito runs one API process"
+            elif a.dest in HANDLER_OPTIONS:
+                use = "vLLM's OpenAI handlers"
+            elif a.dest in SERVER_OPTIONS:
+                use = "tito's HTTP server, as vLLM's applies it"
+            elif a.dest in engine:
+                use = "the engine"
+            else:
+                use = "not used by tito"
+            by_use.setdefault(use, []).append(name)
+        for use, names in by_use.items():
+            rows.append(f"| {group.title} | {', '.join(names)} | {_cell(use)} |")
+    return "\n".join(rows)
 
 
 def _cell(text: str) -> str:
@@ -93,6 +135,7 @@ def metrics_block() -> str:
 
 PAGES: dict[str, tuple[str, Callable[[], str]]] = {
     "flags": ("flags.md", flags_block),
+    "vllm-args": ("flags.md", vllm_args_block),
     "routes": ("routes.md", routes_block),
     "metrics": ("metrics.md", metrics_block),
 }

@@ -15,6 +15,11 @@ class Reference:
         self.model.eval()
 
     @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """The LM head's logits at every position of ``ids`` (row i predicts token i+1), in fp32."""
+        return self.model(torch.tensor([ids])).logits[0].float()
+
+    @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """log-softmax over the vocabulary at every position of ``ids`` (row i predicts token i+1)."""
         out = self.model(torch.tensor([ids]))

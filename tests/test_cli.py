@@ -57,11 +57,21 @@ def test_every_command_has_help() -> None:
 
 
 def test_serve_help_lists_every_flag_with_its_env_variable() -> None:
+    """``tito serve --help=all``: tito's flags with their variables, and every argument of vLLM's own serve parser."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
     from app.core.settings import FLAGS
 
-    out = " ".join(tito("serve", "--help").stdout.split())
+    out = " ".join(tito("serve", "--help=all").stdout.split())
     for f in FLAGS:
-        assert f"{f.cli} " in out and f"[env {f.env};" in out, f.name
+        assert f"{f.cli} " in out and f"env {f.env};" in out, f.name
+    vllm = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    missing = [o for a in vllm._actions for o in a.option_strings if f"{o} " not in out and f"{o}," not in out]
+    assert not missing, f"tito serve --help=all lacks vLLM's {missing}"
+    # The first page names the groups, tito's among them (vLLM's collapsed help).
+    page = tito("serve", "--help").stdout
+    assert "tito " in page and "ModelConfig" in page, page
 
 
 def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from app.core.settings import FLAGS
+from app.engine.vllm_args import serve_parser
 from tests.helpers import ROOT
 from tito.cli import build_parser
 
@@ -88,7 +89,10 @@ def test_tito_commands_parse(page: Path, capsys: pytest.CaptureFixture[str]) -> 
         prog = Path(argv[0]).name
         if prog == "tito":
             try:
-                parser.parse_args(argv[1:])
+                if argv[1:2] == ["serve"]:  # vLLM's serve parser with tito's flags (app/engine/vllm_args.py)
+                    serve_parser().parse_args(argv[2:])
+                else:
+                    parser.parse_args(argv[1:])
             except SystemExit:
                 pytest.fail(f"{_name(page)}: {shlex.join(argv)!r} does not parse: {capsys.readouterr().err}")
         elif prog == "make":

@@ -19,6 +19,7 @@ from tests.helpers import (
     ServerProcess,
     metric_value,
 )
+from tests.logprob_modes import check_logprobs_mode
 from tests.streaming import long_context_model
 
 pytestmark = pytest.mark.engine
@@ -45,8 +46,10 @@ def start_small(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> S
     the one engine of the suite that model directory costs nothing extra on; the metrics tests never use the eos."""
     model = eos_outside_vocabulary(long_context_model(tmp_path_factory.mktemp("metrics-model") / "tiny-long",
                                                       CONTEXT))
+    # vLLM's --logprobs-mode processed_logits as well: no test of this module reads a logprob, so the mode's own
+    # test (below) costs no engine start of its own.
     return start_tito(tmp_path_factory, model, "--max-model-len", str(CONTEXT), "--max-num-seqs", "2",
-                      "--num-kv-blocks", "20", name="tito-metrics")
+                      "--num-kv-blocks", "20", "--logprobs-mode", "processed_logits", name="tito-metrics")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,11 @@ def small(shared_servers: SharedServers) -> ServerProcess:
 def c(small) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=small.url, timeout=120.0) as cl:
         yield cl
+
+
+def test_logprobs_mode_processed_logits(c: httpx.Client, small: ServerProcess) -> None:
+    """`logprobs` hold the logits after temperature and top-k (not log-softmaxed); prompt rows the raw logits."""
+    check_logprobs_mode(c, small.cmd[small.cmd.index("--model") + 1], "processed_logits")
 
 
 def eos_outside_vocabulary(model: Path) -> Path:

@@ -21,6 +21,7 @@ import pytest
 from app.tiny.model import TINY_CONFIG, make_tiny_model, tiny_state_dict
 from tests.conftest import SharedServers, module_server, start_tito
 from tests.helpers import ServerProcess, greedy_answer, metric_value
+from tests.logprob_modes import check_logprobs_mode
 from tests.rl_steps import GEN, PROMPTS, greedy, write_step
 from tests.streaming import read_stream
 
@@ -39,8 +40,10 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     """40 KV blocks of 128 tokens (5120 tokens): one full-context request fits, eight long ones do not."""
     base = make_tiny_model(tmp_path_factory.mktemp("seeded-model") / "rope-base")
     (base / "config.json").write_text(json.dumps(ROPE))
+    # vLLM's --logprobs-mode raw_logits as well: this module compares logprobs only with its own earlier answers, so
+    # the mode's own test (the module's first, on the base weights) costs no engine start of its own.
     return start_tito(tmp_path_factory, base, "--max-model-len", str(CONTEXT), "--num-kv-blocks", "40",
-                      name="seeded")
+                      "--logprobs-mode", "raw_logits", name="seeded")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,11 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def fresh(client: httpx.Client) -> dict:
     return greedy_answer(client)
+
+
+def test_logprobs_mode_raw_logits(client: httpx.Client, server: ServerProcess) -> None:
+    """`logprobs` hold the model's logits before any processing; prompt rows too. First: the weights are the base."""
+    check_logprobs_mode(client, server.cmd[server.cmd.index("--model") + 1], "raw_logits")
 
 
 def seeded(i: int, prompt_len: int, n: int) -> dict:

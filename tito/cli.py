@@ -7,8 +7,6 @@ import argparse
 import logging
 import sys
 
-from app.core.settings import Settings, add_server_flags
-
 
 class _TextFormatter(logging.Formatter):
     """``time LEVEL logger: [request id] message`` (the id only on lines about a request)."""
@@ -52,18 +50,41 @@ def _setup_logging(level: str, fmt: str) -> None:
     root.propagate = False
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
+def cmd_serve(argv: list[str], own_process: bool = False) -> int:
+    """``tito serve ARGV``: vLLM's serve arguments and tito's flags (app/engine/vllm_args.py)."""
     import os
 
-    settings = Settings.from_args(ns)
-    if getattr(ns, "own_process", False):
+    if own_process:
         from app.engine.process_start import reexec_with_preload
+        from app.engine.vllm_args import engine_start_of
 
-        reexec_with_preload(settings.engine_start)  # before PyTorch is imported; see app/engine/process_start.py
+        reexec_with_preload(engine_start_of(argv))  # before PyTorch is imported; see app/engine/process_start.py
+    from app.engine.vllm_args import (
+        ServeArgsError,
+        check_engine,
+        check_frontend,
+        engine_options,
+        notices,
+        parse_serve,
+    )
+
+    try:
+        settings = parse_serve(argv)
+        engine_options(settings)
+    except ServeArgsError as e:
+        print(f"tito: {e}", file=sys.stderr)
+        return 2
     _setup_logging(settings.log_level, settings.log_format)
     if not os.path.isdir(settings.model):
         print(f"tito: model directory {settings.model!r} does not exist "
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
+        return 2
+    try:
+        check_frontend(settings)
+        if not settings.enable_return_routed_experts:  # its refusal below names the flag and the reason
+            check_engine(settings)
+    except ServeArgsError as e:
+        print(f"tito: {e}", file=sys.stderr)
         return 2
     if settings.enable_return_routed_experts:
         from app.engine.routed_experts import routed_experts_refusal
@@ -71,6 +92,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if refusal := routed_experts_refusal(settings):
             print(f"tito: {refusal}", file=sys.stderr)
             return 2
+    for line in notices(settings):
+        logging.getLogger("tito").info("%s", line)
     from app.server.lifecycle import serve
     from tito.main import create_app
 
@@ -82,7 +105,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     try:
-        return serve(app, settings.host, settings.port)
+        return serve(app, settings)
     finally:
         if app.state.sidecar is not None:  # Dynamo's sidecar (app/dynamo/supervisor.py) never outlives the server
             app.state.sidecar.stop_now()
@@ -105,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tito", description="Token-in/token-out inference server for RL rollouts.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="Serve a model over HTTP.", description="Serve a model over HTTP. Every flag "
-                       "can also be set with its TITO_* environment variable.")
-    add_server_flags(s)
-    s.set_defaults(func=cmd_serve)
+    # `tito serve` is parsed by vLLM's own serve parser (main() hands it over; `tito serve --help` shows it): listed
+    # here so that `tito --help` names it without importing vLLM.
+    sub.add_parser("serve", help="Serve a model over HTTP: every `vllm serve` argument and tito's own flags "
+                   "(tito serve --help).", add_help=False)
 
     m = sub.add_parser("make-tiny-model", help="Write the tiny random-weight test model.",
                        description="Write a tiny random-weight Qwen3 (vocab 512, hidden 128, 2 layers), "
@@ -130,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    ns.own_process = argv is None  # the command line is this process's own: `serve` may re-execute it
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["serve"]:
+        # The command line is this process's own (argv None): `serve` may re-execute it.
+        return cmd_serve(args[1:], own_process=argv is None)
+    ns = build_parser().parse_args(args)
     return int(ns.func(ns))
 
 

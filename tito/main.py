@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -205,8 +205,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     from routers.generate_lean import Lean
 
     settings = settings or Settings.build()
+    docs: dict[str, Any] = ({"docs_url": None, "redoc_url": None, "openapi_url": None}
+                            if settings.vllm_args.get("disable_fastapi_docs") else {})
     app = TitoApp(title="tito", version=__version__, lifespan=lifespan,
-                  description="Token-in/token-out inference server for RL rollouts, on vLLM.")
+                  description="Token-in/token-out inference server for RL rollouts, on vLLM.", **docs)
     app.state.settings = settings
     app.state.engine_override = engine
     app.state.services = _services(settings)
@@ -224,11 +226,46 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
                        paths={p: settings.max_stage_bytes + 65536 for p in STAGE_ROUTES})
     install_security(app, settings)  # API keys: before the body is read, inside the request counter
-    app.add_middleware(RequestMetrics)  # outermost: counts every answer, the body limit's 413 too
+    app.add_middleware(RequestMetrics)  # counts every answer, the body limit's 413 too
+    # vLLM's HTTP middleware arguments go around everything (a CORS preflight needs no key), generate included.
+    lean = not _add_vllm_middleware(app, settings) and lean
     _add_schemas(app)
     if lean:
         app.lean = Lean(app)
     return app
+
+
+def _add_vllm_middleware(app: FastAPI, settings: Settings) -> bool:
+    """vLLM's ``--middleware``, ``--enable-request-id-headers`` and CORS arguments, as ``vllm serve`` applies them.
+    Returns whether any was added."""
+    import importlib
+    import inspect
+
+    v = settings.vllm_args
+    added = False
+    for path in v.get("middleware") or ():
+        module, _, name = path.rpartition(".")
+        imported: Any = getattr(importlib.import_module(module), name)
+        if inspect.isclass(imported):
+            app.add_middleware(cast(Any, imported))
+        elif inspect.iscoroutinefunction(imported):
+            app.middleware("http")(imported)
+        else:
+            raise ValueError(f"--middleware {path}: neither a class nor an async function")
+        added = True
+    if v.get("enable_request_id_headers"):
+        from app.server.reqlog import RequestIdHeader
+
+        app.add_middleware(RequestIdHeader)
+        added = True
+    if v.get("allowed_origins"):
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=v["allowed_origins"],
+                           allow_credentials=v.get("allow_credentials", False),
+                           allow_methods=v.get("allowed_methods", ["*"]), allow_headers=v.get("allowed_headers", ["*"]))
+        added = True
+    return added
 
 
 def _services(settings: Settings) -> list[Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +36,18 @@ def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None, sec
 
 @dataclass(frozen=True)
 class Settings:
-    """Resolved server settings. Build with ``Settings.from_args`` or ``Settings.build``."""
+    """Resolved server settings. Build with ``Settings.build``, or from a command line with
+    ``app.engine.vllm_args.parse_serve``."""
 
     # --- where and what to serve
-    model: str = flag(DEFAULT_MODEL_DIR, "Model directory (HF layout: config.json + safetensors).")
-    host: str = flag("127.0.0.1", "Address to bind.")
+    model: str = flag(DEFAULT_MODEL_DIR, "Model directory (HF layout: config.json + safetensors); also the first "
+                      "positional argument, as `vllm serve MODEL`. Default: the tiny model `make serve` writes (vLLM's "
+                      "names a hub model, which tito never downloads).")
+    host: str = flag("127.0.0.1", "Address to bind (vLLM's default: every interface; tito's: loopback, since its "
+                     "admin routes replace the served weights; give 0.0.0.0 and keys to serve a network).")
     port: int = flag(8000, "Port to bind.")
-    served_model_name: str | None = flag(None, "Name clients use in `model` (default: the --model value).")
+    served_model_name: list[str] | None = flag(
+        None, "Names clients use in `model`, the first one reported (default: the --model value).")
     # --- engine
     dtype: str = flag("auto", "Weight/activation dtype (auto, float32, bfloat16, float16).")
     max_model_len: int | None = flag(None, "Context length (default: the model's).")
@@ -54,7 +59,10 @@ class Settings:
     enable_prefix_caching: bool = flag(True, "Reuse KV of shared prompt prefixes.")
     scheduling_policy: str = flag("fcfs", "fcfs, or priority to honour the request `priority`.",
                                   choices=("fcfs", "priority"))
-    enforce_eager: bool | None = flag(None, "Disable graph capture (default: on for CPU, off for GPU).")
+    enforce_eager: bool | None = flag(
+        None, "Run the model eagerly, without torch.compile and CUDA graphs (default: on for CPU, where a cold start "
+        "is ~5 s shorter and `make test`'s ~20 server starts stay in budget; vLLM compiles, which serves more "
+        "tokens/s once warm: --no-enforce-eager for throughput; off for GPU, as vLLM).")
     gpu_memory_utilization: float | None = flag(
         None, "Fraction of device memory for vLLM (CPU: of the NUMA node's RAM; default 0.3 on CPU, 0.9 on GPU).")
     num_kv_blocks: int | None = flag(
@@ -73,7 +81,8 @@ class Settings:
         "Other platforms: vLLM's choice.", choices=("fork", "spawn"))
     enable_lora: bool = flag(False, "Serve LoRA adapters.")
     max_lora_rank: int = flag(16, "Largest LoRA rank an adapter may have.")
-    max_loras: int = flag(4, "LoRA adapters in one batch.")
+    max_loras: int = flag(4, "LoRA adapters in one batch (vLLM's default 1; tito's 4: an RL run serves several "
+                          "policies' adapters side by side).")
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
     enable_return_routed_experts: bool = flag(
         False, "Return each token's routed MoE experts (vLLM's --enable-return-routed-experts; Prime-RL's router "
@@ -112,8 +121,9 @@ class Settings:
         None, "Directory that weight_dir/lora_path may resolve into (repeatable; default: the model's parent and the "
         "working directory).")
     allow_any_weight_path: bool = flag(False, "Let requests load weights from any path (unsafe).")
-    api_key: str | None = flag(None, "Bearer key for the data plane (/inference/*, /v1/*); `EMPTY` means none. "
-                               "Prefer the env variable (a flag shows in `ps`).", secret=True)
+    api_key: list[str] | None = flag(
+        None, "Bearer key(s) for the data plane (/inference/*, /v1/*); `EMPTY` means none. Prefer the env variable "
+        "(a flag shows in `ps`).", secret=True)
     admin_api_key: str | None = flag(None, "Bearer key for admin routes (pause, weights, LoRA, ...); default: the "
                                      "--api-key. `EMPTY` means none.", secret=True)
     protect_metrics: bool = flag(False, "Require the data-plane key on /metrics too.")
@@ -148,22 +158,26 @@ class Settings:
                                      "peer need no key (the Dynamo sidecar beside tito sends none); others always do.")
     # --- HTTP server
     max_body_bytes: int = flag(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
-    shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting.")
+    shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting "
+                                   "(vLLM's default 0 aborts at once; tito drains, as a replica leaving a fleet "
+                                   "should).")
     liveness_timeout: float = flag(30.0, "Seconds /liveness waits for its round trip through the engine.")
     exit_on_engine_death: bool = flag(
         True, "Exit (code 1) when the engine dies, so a supervisor restarts the server; false stays up for "
         "inspection.")
     engine_death_exit_delay: float = flag(
         5.0, "Seconds between noticing a dead engine and exiting (clients and probes see the 503 meanwhile).")
-    log_level: str = flag("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_level: str = flag("info", "Log level, of tito's log and of vLLM's (vLLM's --log-level).",
+                          choices=("debug", "info", "warning", "error"))
     log_format: str = flag("text", "Log line format.", choices=("text", "json"))
     log_requests: bool = flag(False, "Log one line per request.")
-    # Not a flag: extra engine arguments passed straight to vLLM (tests, scripts/bench.py).
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Not a flag: the vLLM arguments given that are not tito settings (app/engine/vllm_args.py routes them to the
+    # engine, vLLM's OpenAI handlers or tito's HTTP server).
+    vllm_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name[0] if self.served_model_name else self.model
 
     @classmethod
     def build(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -171,10 +185,6 @@ class Settings:
         values = _from_env(os.environ if env is None else env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-    @classmethod
-    def from_args(cls, ns: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
-        return cls.build(env=env, **{f.name: getattr(ns, f.name, None) for f in FLAGS})
 
     def replace(self, **kw: Any) -> Settings:
         return dataclasses.replace(self, **kw)
@@ -229,10 +239,16 @@ def _from_env(env: Any) -> dict[str, Any]:
     return out
 
 
-def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    """Add every server flag. Defaults stay None so the environment can fill them in."""
+def tito_flag_help(f: Flag) -> str:
+    return f"env {f.env}; default {f.default}"
+
+
+def add_server_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, skip: Collection[str] = ()) -> None:
+    """Add the server flags (but those named in ``skip``). Defaults stay None so the environment can fill them in."""
     for f in FLAGS:
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{f.help} [env {f.env}; default {f.default}]"}
+        if f.name in skip:
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{f.help} [{tito_flag_help(f)}]"}
         if f.choices:
             kw["choices"] = f.choices
         if f.repeatable:
@@ -248,9 +264,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f.cli, **kw)
 
 
-def flags_markdown() -> str:
-    """The docs' flag table (docs/reference/flags.md), generated from the Settings fields."""
-    rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
+def flags_markdown(vllm_defaults: dict[str, Any] | None = None) -> str:
+    """The docs' flag table (docs/reference/flags.md), generated from the Settings fields. ``vllm_defaults``: the
+    defaults of the flags that are also vLLM arguments (one argument, vLLM's parsing; app/engine/vllm_args.py)."""
+    vllm = vllm_defaults or {}
+    rows = ["| flag | env | default | meaning | vLLM's argument (its default) |", "|---|---|---|---|---|"]
     for f in FLAGS:
-        rows.append(f"| `{f.cli}` | `{f.env}` | `{f.default}` | {f.help} |")
+        theirs = f"yes (`{vllm[f.name]}`)" if f.name in vllm else ""
+        rows.append(f"| `{f.cli}` | `{f.env}` | `{f.default}` | {f.help} | {theirs} |")
     return "\n".join(rows)

@@ -5,6 +5,7 @@ A vLLM upgrade should touch this module (and ``sampling.py``) only. Nothing here
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -88,11 +89,15 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
 
 
 def engine_args(settings: Settings) -> Any:
+    """``AsyncEngineArgs`` as ``vllm serve`` builds them from the same arguments, with tito's settings and its CPU
+    defaults (``cpu_safe_defaults``) under the vLLM arguments given, and tito's worker extension over them."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from app.engine.vllm_args import engine_options
 
     kw: dict[str, Any] = dict(
         model=settings.model,
-        served_model_name=[settings.model_name],
+        served_model_name=list(settings.served_model_name or [settings.model]),
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         seed=settings.seed,
@@ -103,9 +108,7 @@ def engine_args(settings: Settings) -> Any:
         max_logprobs=settings.max_logprobs,
         stream_interval=settings.stream_interval,
         skip_tokenizer_init=not loads_tokenizer(settings),
-        disable_log_stats=False,
         enable_lora=settings.enable_lora,
-        worker_extension_cls="app.engine.worker.TitoWorkerExtension",
         **cpu_safe_defaults(settings),
     )
     if settings.max_num_seqs:
@@ -131,8 +134,14 @@ def engine_args(settings: Settings) -> Any:
     if loads_tokenizer(settings) and ships_processor(settings.model):
         # Multimodal: the processor needs the tokenizer (app/engine/multimodal.py).
         kw.update(mm_engine_kwargs(settings))
-    kw.update(settings.extra)
-    return AsyncEngineArgs(**kw)
+    kw.update(engine_options(settings))
+    # tito's extension carries its weight updates and checks; its metrics and readiness read the engine's stats.
+    kw.update(worker_extension_cls="app.engine.worker.TitoWorkerExtension", disable_log_stats=False)
+    args = AsyncEngineArgs(**kw)
+    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
+
+    propagate_flash_late_interaction(argparse.Namespace(**settings.vllm_args), args)
+    return args
 
 
 def kv_events_config(port: int, dp_size: int = 1) -> Any:
@@ -181,6 +190,9 @@ class ModelFacts:
     # The eos ids vLLM adds to every request's stop set (the tokenizer's, generation_config's) that lie outside the
     # model's vocabulary; see app/engine/sampling.py ``MIN_TOKENS_OUT_OF_VOCAB``.
     stop_ids_outside_vocab: tuple[int, ...] = ()
+    logprobs_mode: str = "raw_logprobs"  # what `logprobs` hold (vLLM's --logprobs-mode)
+    head_dtype: str = ""  # the LM head's dtype (float32 with --hf-overrides head_dtype, or Prime-RL's fp32_lm_head)
+    reasoning_parser: str = ""
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -237,8 +249,12 @@ class Engine(WorkerCalls):
             multimodal=bool(mc.is_multimodal_model and not mc.skip_tokenizer_init and ships_processor(settings.model)),
             tokenizer=not mc.skip_tokenizer_init,
             stop_ids_outside_vocab=_stop_ids_outside_vocab(llm, int(mc.get_vocab_size())),
+            logprobs_mode=str(mc.logprobs_mode),
+            head_dtype=str(mc.head_dtype).removeprefix("torch."),
+            reasoning_parser=str(vc.structured_outputs_config.reasoning_parser or ""),
         )
         self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
+        self.settings = settings
         # The scheduler's pause state as tito last set it (every pause and resume goes through this adapter), so
         # /is_paused and the control plane answer without a round trip that waits behind the engine's step in
         # progress. None after a failed call: the next is_paused() asks the engine.
@@ -444,9 +460,11 @@ class Engine(WorkerCalls):
         adapters by name (their ``lora_request`` handles). Built once, on first use (vLLM's serving modules take
         seconds to import)."""
         from app.engine.openai_eval import EvalLayer  # OpenAILayer + the evaluation harnesses' routes
+        from app.engine.vllm_args import frontend_options
 
-        names = list(dict.fromkeys([self.facts.name, self.facts.path]))
-        return EvalLayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal)
+        names = list(dict.fromkeys([*(self.settings.served_model_name or [self.facts.name]), self.facts.path]))
+        return EvalLayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal,
+                         frontend_options(self.settings))
 
     def vllm_server_info(self, config_format: str) -> dict[str, Any]:
         """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from app.engine.openai_layer import Answer, Gate, OpenAILayer, in_call
+from app.engine.openai_layer import Answer, Gate, OpenAILayer, in_call, pick
 
 
 class EvalLayer(OpenAILayer):
@@ -25,22 +25,26 @@ class EvalLayer(OpenAILayer):
         if self._eval is None:
             self._eval = {}
         if kind not in self._eval:
-            client, renderer = self.completion.engine_client, self.completion.online_renderer
-            # Without tito's cached-token counts (on the completions and chat routes): the usage vLLM's server
-            # sends by default, field for field.
-            common: dict[str, Any] = dict(online_renderer=renderer, request_logger=None, chat_template=None,
-                                          chat_template_content_format="auto")
+            client, renderer, c, o = self.completion.engine_client, self.renderer, self.common, self.options
+            shared = ("request_logger", "chat_template", "chat_template_content_format", "return_tokens_as_token_ids",
+                      "enable_auto_tools", "tool_parser", "tool_strict_level", "reasoning_parser",
+                      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_log_outputs",
+                      "default_chat_template_kwargs")
+            # As vLLM's server builds them (api_router.py), from the same front-end arguments.
             if kind == "responses":
                 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
                 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
-                handler: Any = OpenAIServingResponses(client, self.models, **common)
+                handler: Any = OpenAIServingResponses(client, self.models, renderer, tool_server=None,
+                                                      **pick(c, *shared, "enable_per_request_metrics"))
                 self._types["responses"] = TypeAdapter(ResponsesRequest)
             else:
                 from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
                 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-                handler = AnthropicServingMessages(client, self.models, "assistant", **common)
+                handler = AnthropicServingMessages(client, self.models, o.response_role, online_renderer=renderer,
+                                                   disabled_thinking_effort=o.anthropic_disabled_thinking_effort,
+                                                   **pick(c, *shared, "enable_log_deltas"))
                 self._types["messages"] = TypeAdapter(AnthropicMessagesRequest)
                 self._types["count_tokens"] = TypeAdapter(AnthropicCountTokensRequest)
             self._eval[kind] = handler

@@ -18,6 +18,7 @@ vLLM's handler, running in the caller's task, carries into ``generate()``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -45,6 +46,37 @@ NO_TOKENIZER = ("this server has no tokenizer (the model directory ships none, o
                 ": it serves token ids only")
 _MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio",
                "image_embeds": "image", "image_pil": "image"}
+
+
+def handler_kwargs(llm: AsyncLLM, o: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments vLLM's server gives its OpenAI handlers, from its front-end arguments ``o``."""
+    from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
+    from vllm.entrypoints.serve.utils.request_logger import RequestLogger
+    from vllm.renderers.chat_utils import load_chat_template
+
+    enable_log_requests = bool(getattr(llm, "log_requests", False))
+    return dict(
+        request_logger=RequestLogger(max_log_len=o.max_log_len) if enable_log_requests else None,
+        chat_template=load_chat_template(o.chat_template),
+        chat_template_content_format=o.chat_template_content_format,
+        default_chat_template_kwargs=resolve_default_chat_template_kwargs(o),
+        trust_request_chat_template=o.trust_request_chat_template,
+        return_tokens_as_token_ids=o.return_tokens_as_token_ids,
+        enable_auto_tools=o.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=o.exclude_tools_when_tool_choice_none,
+        tool_parser=o.tool_call_parser,
+        tool_strict_level=o.tool_strict_level,
+        reasoning_parser=llm.vllm_config.structured_outputs_config.reasoning_parser,
+        enable_prompt_tokens_details=o.enable_prompt_tokens_details,
+        enable_force_include_usage=o.enable_force_include_usage,
+        enable_log_outputs=o.enable_log_outputs,
+        enable_log_deltas=o.enable_log_deltas,
+        enable_per_request_metrics=o.enable_per_request_metrics,
+    )
+
+
+def pick(d: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: d[k] for k in keys}
 
 
 @dataclass
@@ -187,12 +219,15 @@ class OpenAILayer:
     """vLLM's completion, chat, tokenization and render handlers over one engine (``Engine.openai_layer``)."""
 
     def __init__(self, llm: AsyncLLM, names: list[str], model_path: str, loras: Callable[[], dict[str, Any]],
-                 media: MediaPolicy, multimodal: bool) -> None:
+                 media: MediaPolicy, multimodal: bool, options: argparse.Namespace) -> None:
+        """``options``: vLLM's front-end arguments (``vllm_args.frontend_options``: chat template, tool and reasoning
+        parsers, ...), applied to each handler as vLLM's own server applies them."""
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.scale_out.render.serving import ServingRender
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+        from vllm.entrypoints.serve.utils.fingerprint import set_default_fingerprint_mode
         from vllm.renderers.online_renderer import OnlineRenderer
 
         client: Any = _GatedClient(llm)
@@ -201,16 +236,34 @@ class OpenAILayer:
         self.models = _models_class()(engine_client=client,
                                       base_model_paths=[BaseModelPath(name=n, model_path=model_path) for n in names])
         self.models.loras = loras
-        renderer = OnlineRenderer(model_config=llm.model_config, renderer=llm.renderer, request_logger=None,
-                                  chat_template=None, chat_template_content_format="auto")
+        self.options = o = options
+        set_default_fingerprint_mode(o.fingerprint_mode, o.fingerprint_value)
+        # What vLLM's server passes to each of its handlers, from the same arguments (app_state.py, api_router.py).
+        self.common = common = handler_kwargs(llm, o)
+        self.renderer = renderer = OnlineRenderer(
+            model_config=llm.model_config, renderer=llm.renderer, request_logger=common["request_logger"],
+            trust_request_mm_kwargs=o.trust_request_mm_kwargs, log_error_stack=o.log_error_stack,
+            **pick(common, "chat_template", "chat_template_content_format", "trust_request_chat_template",
+                   "exclude_tools_when_tool_choice_none", "tool_parser", "tool_strict_level", "reasoning_parser",
+                   "default_chat_template_kwargs"), enable_auto_tools=common["enable_auto_tools"])
         if self.tokenizer:
             renderer.warmup()
-        common: dict[str, Any] = dict(request_logger=None, enable_prompt_tokens_details=True)
-        self.completion = OpenAIServingCompletion(client, self.models, online_renderer=renderer, **common)
-        self.chat = OpenAIServingChat(client, self.models, "assistant", online_renderer=renderer, chat_template=None,
-                                      chat_template_content_format="auto", **common) if self.tokenizer else None
-        self.tokenization = ServingTokenization(self.models, renderer, chat_template=None,
-                                                chat_template_content_format="auto")
+        # tito counts cached prompt tokens on these two routes unless told not to (vLLM: only when told to).
+        details = o.enable_prompt_tokens_details if "enable_prompt_tokens_details" in o.given else True
+        self.completion = OpenAIServingCompletion(
+            client, self.models, online_renderer=renderer, enable_prompt_tokens_details=details,
+            **pick(common, "request_logger", "return_tokens_as_token_ids", "enable_force_include_usage",
+                   "enable_per_request_metrics"))
+        self.chat = OpenAIServingChat(
+            client, self.models, o.response_role, online_renderer=renderer, enable_prompt_tokens_details=details,
+            **pick(common, "request_logger", "chat_template", "chat_template_content_format",
+                   "default_chat_template_kwargs", "trust_request_chat_template", "return_tokens_as_token_ids",
+                   "enable_auto_tools", "exclude_tools_when_tool_choice_none", "tool_parser", "tool_strict_level",
+                   "reasoning_parser", "enable_force_include_usage", "enable_log_outputs", "enable_log_deltas",
+                   "enable_per_request_metrics")) if self.tokenizer else None
+        self.tokenization = ServingTokenization(
+            self.models, renderer, **pick(common, "request_logger", "chat_template", "chat_template_content_format",
+                                          "default_chat_template_kwargs", "trust_request_chat_template"))
         self.render = ServingRender(self.models, renderer)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest

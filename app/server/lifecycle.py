@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import time
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ import uvicorn
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from app.core.settings import Settings
     from app.server.state import AppState
 
 log = logging.getLogger("tito.lifecycle")
@@ -119,22 +121,48 @@ async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio
              time.monotonic() - t0)
 
 
-def serve(app: FastAPI, host: str, port: int) -> int:
-    """Run the app until it is told to stop; returns the process exit code."""
+class _SkipPaths(logging.Filter):
+    """vLLM's --disable-access-log-for-endpoints: no access-log line for these paths (uvicorn's record args are
+    client, method, path, HTTP version, status)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = tuple(p.strip() for p in paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) > 2 and str(args[2]).split("?", 1)[0] in self.paths)
+
+
+def serve(app: FastAPI, settings: Settings) -> int:
+    """Run the app until it is told to stop; returns the process exit code. vLLM's HTTP-server arguments (TLS, root
+    path, h11 limits, uvicorn's log level and access log) apply as on ``vllm serve``."""
+    v = settings.vllm_args
+    endpoints = [p for p in (v.get("disable_access_log_for_endpoints") or "").split(",") if p]
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=settings.host,
+        port=settings.port,
         loop="uvloop",
         http="httptools",
-        log_level="warning",
-        access_log=False,
+        log_level=v.get("uvicorn_log_level", "warning"),
+        # Off unless asked for (vLLM's server logs every request): a line per request costs the API process CPU.
+        access_log="uvicorn_log_level" in v and not v.get("disable_uvicorn_access_log"),
         # Longer than any client's idle keep-alive: a server closing an idle connection just as the client reuses
         # it is how vLLM's own server "drops" requests (ServerDisconnectedError).
         timeout_keep_alive=120,
         # The drain happened before uvicorn's own shutdown starts; this only bounds closing the connections.
         timeout_graceful_shutdown=int(CLOSE_GRACE_S),
+        ssl_keyfile=v.get("ssl_keyfile"),
+        ssl_certfile=v.get("ssl_certfile"),
+        ssl_ca_certs=v.get("ssl_ca_certs"),
+        ssl_cert_reqs=v.get("ssl_cert_reqs", ssl.CERT_NONE),
+        ssl_ciphers=v.get("ssl_ciphers") or "TLSv1",
+        root_path=v.get("root_path") or "",
+        h11_max_incomplete_event_size=v.get("h11_max_incomplete_event_size"),
     )
+    if endpoints:
+        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(endpoints))
     server = TitoServer(config, app)
     server.run()
     if not server.started:

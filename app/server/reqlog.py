@@ -15,7 +15,7 @@ import time
 import uuid
 from contextvars import ContextVar
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.core.metrics import HttpMiddleware, StatusSend
 
@@ -69,3 +69,18 @@ class RequestLog(HttpMiddleware):
             log.info("%s %s %d %.1fms %s", scope.get("method", "?"), path, watched.status, ms,
                      client[0] if client else "-", extra={"request_id": scope.get(SCOPE_KEY) or rid})
             REQUEST_ID.reset(token)
+
+
+class RequestIdHeader(HttpMiddleware):
+    """vLLM's ``--enable-request-id-headers``: every answer carries ``X-Request-Id`` (the client's, else a new one)."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = (_header(scope, b"x-request-id") or uuid.uuid4().hex).encode("latin-1")
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)

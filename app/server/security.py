@@ -88,12 +88,15 @@ class Keys:
         return cls.of(settings.api_key, settings.admin_api_key)
 
     @classmethod
-    def of(cls, api_key: str | None, admin_api_key: str | None) -> Keys:
-        api, admin = _normalize(api_key), _normalize(admin_api_key)
-        data = None if api is None else tuple(_digest(k) for k in (api, admin) if k is not None)
+    def of(cls, api_key: str | list[str] | None, admin_api_key: str | None) -> Keys:
+        """``api_key``: one key or several (vLLM's ``--api-key`` takes several: any of them is accepted)."""
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        api = [k for k in (_normalize(k) for k in keys) if k is not None]
+        admin = _normalize(admin_api_key)
+        data = tuple(_digest(k) for k in (*api, admin) if k is not None) if api else None
         if admin is not None:
             return cls(data=data, admin=(_digest(admin),), admin_is_separate=True)
-        return cls(data=data, admin=None if api is None else (_digest(api),), admin_is_separate=False)
+        return cls(data=data, admin=tuple(_digest(k) for k in api) if api else None, admin_is_separate=False)
 
     def required(self, plane: Plane) -> tuple[bytes, ...] | None:
         if plane is Plane.OPEN:

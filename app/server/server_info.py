@@ -4,6 +4,7 @@ trailer. Model, limits, parallelism, features and state; the transport adds its 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -59,6 +60,9 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             "vocab_size": f.vocab_size,
             "max_num_seqs": f.max_num_seqs,
             "max_logprobs": f.max_logprobs,
+            # What `logprobs` hold: vLLM's --logprobs-mode (processed_logprobs: after temperature, top-k/top-p).
+            "logprobs_mode": f.logprobs_mode,
+            "head_dtype": f.head_dtype,
             "kv_block_size": f.kv_block_size,
             "num_kv_blocks": f.num_kv_blocks,
             # Tokenizer files beside the weights (a text frontend may use them) / the engine loaded them (the text
@@ -89,7 +93,12 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             "priority_scheduling": f.priority_scheduling,
             # DP rank -> ZMQ address of its KV-cache event publisher (--kv-events-port); empty when off.
             "kv_events": {str(r): ep for r, ep in state.engine.kv_event_endpoints().items()},
+            "tool_call_parser": s.vllm_args.get("tool_call_parser"),
+            "auto_tool_choice": bool(s.vllm_args.get("enable_auto_tool_choice")),
+            "reasoning_parser": f.reasoning_parser or None,
         },
+        # The vLLM arguments given on the command line beyond tito's own settings (`tito serve --help`), as JSON.
+        "vllm_args": json.loads(json.dumps(s.vllm_args, default=str)),
         "state": {
             "engine": "dead" if dead else "alive",
             "engine_error": error,
