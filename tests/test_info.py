@@ -11,15 +11,15 @@ pytestmark = pytest.mark.engine
 
 # tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
 SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "dynamo", "routes", "vllm_config",
-            "vllm_env"}
+            "vllm_env", "vllm_args"}
 KEYS = {
     "server": {"name", "version", "vllm_version", "pid", "host", "port", "started_at", "started_at_unix", "uptime_s"},
     "model": {"served_model_name", "path", "dtype", "max_model_len", "vocab_size", "max_num_seqs", "max_logprobs",
-              "has_tokenizer", "tokenizer_loaded"},
+              "has_tokenizer", "tokenizer_loaded", "logprobs_mode", "head_dtype"},
     "parallelism": {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "world_size",
                     "data_parallel_rank_start", "data_parallel_rank_end"},
     "features": {"lora", "max_loras", "max_lora_rank", "prompt_logprobs", "min_tokens", "routed_experts",
-                 "prefix_caching", "priority_scheduling"},
+                 "prefix_caching", "priority_scheduling", "tool_call_parser", "auto_tool_choice", "reasoning_parser"},
     "state": {"engine", "engine_error", "ready", "not_ready_reason", "draining", "shutting_down", "paused",
               "inflight", "weight_version", "loaded_adapters"},
     "routes": {"base_url", "generate_url", "generate_path", "admin", "data", "open", "all"},
