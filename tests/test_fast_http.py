@@ -188,6 +188,22 @@ def _adapter(d: Path, rank: int = 4) -> Path:
     return d
 
 
+async def test_lora_modules_are_served_from_the_start(tmp_path: Path) -> None:
+    """vLLM's --lora-modules: each adapter goes through tito's own load (checked, registered) before the server is
+    ready, and is served under its name."""
+    from app.engine.vllm_args import parse_serve
+
+    a = _adapter(tmp_path / "a")
+    given = parse_serve(["--enable-lora", "--lora-modules", f"a={a}"], env={}).vllm_args
+    eng = FakeEngine.with_lora()
+    async with serve(eng, enable_lora=True, vllm_args=given) as (c, _):
+        assert [x[1] for x in eng.calls if x[0] == "add_lora"] == [("a", 1, str(a), False)]
+        names = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+        assert "a" in names, names
+        r = await c.post(GEN, json={**OK, "model": "a"})
+        assert r.status_code == 200, r.text
+
+
 async def test_lora_orchestration(tmp_path: Path) -> None:
     eng = FakeEngine.with_lora()
     async with serve(eng, allowed_weight_root=[str(tmp_path)]) as (c, _):

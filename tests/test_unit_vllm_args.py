@@ -29,7 +29,7 @@ from tito.cli import main
 REFUSED_ARGV = {
     "headless": ["--headless"], "grpc": ["--grpc"], "uds": ["--uds", "/tmp/tito.sock"],
     "enable_ssl_refresh": ["--enable-ssl-refresh"], "tokens_only": ["--tokens-only"],
-    "tool_server": ["--tool-server", "demo"], "lora_modules": ["--lora-modules", "a=/tmp/adapter"],
+    "tool_server": ["--tool-server", "demo"],
     "enable_server_load_tracking": ["--enable-server-load-tracking"],
     "enable_tokenizer_info_endpoint": ["--enable-tokenizer-info-endpoint"],
     "enable_offline_docs": ["--enable-offline-docs"], "sse_keep_alive_interval": ["--sse-keep-alive-interval", "5"],
@@ -79,6 +79,7 @@ def test_refused_argument_exits_2_naming_it(name: str, model_dir: Path, capsys: 
     (["--additional-config", '{"fp32_lm_head": true}', "--hf-overrides", '{"head_dtype": "bfloat16"}'],
      "fp32_lm_head asks for an fp32 LM head"),
     (["--max-model-len", "lots"], "argument --max-model-len"),
+    (["--lora-modules", "a=/tmp/adapter"], "--lora-modules needs --enable-lora"),
 ])
 def test_bad_combinations_exit_2(argv: list[str], words: str, model_dir: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:

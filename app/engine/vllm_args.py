@@ -52,7 +52,7 @@ SERVER_OPTIONS = frozenset({
     "disable_access_log_for_endpoints", "allow_credentials", "allowed_origins", "allowed_methods", "allowed_headers",
     "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers", "root_path", "middleware",
     "enable_request_id_headers", "disable_fastapi_docs", "h11_max_incomplete_event_size", "h11_max_header_count",
-    "model_tag", "config", "enable_scale_out", "enable_flash_late_interaction",
+    "model_tag", "config", "enable_scale_out", "enable_flash_late_interaction", "lora_modules",
 })
 # Front-end arguments tito does not serve, refused when given with a value other than vLLM's default: why.
 REFUSED = {
@@ -63,7 +63,6 @@ REFUSED = {
     "tokens_only": "tito serves the token API together with the text routes; use --skip-tokenizer-init for a "
                    "tokens-only server",
     "tool_server": "tito's /v1/responses runs without built-in tool servers",
-    "lora_modules": "load adapters through /v1/load_lora_adapter (tito checks each one before the engine sees it)",
     "enable_server_load_tracking": "tito reports load as tito_requests_in_flight on /metrics",
     "enable_tokenizer_info_endpoint": "tito does not serve /tokenizer_info",
     "enable_offline_docs": "tito serves FastAPI's own /docs",
@@ -174,6 +173,12 @@ def refusals(settings: Settings) -> list[str]:
     for name, value in settings.vllm_args.items():
         if name in REFUSED and value != defaults.get(name):
             out.append(f"--{name.replace('_', '-')} is not supported by tito: {REFUSED[name]}")
+    if settings.vllm_args.get("lora_modules") and not settings.enable_lora:
+        out.append("--lora-modules needs --enable-lora")
+    for module in settings.vllm_args.get("lora_modules") or ():
+        if getattr(module, "base_model_name", None) not in (None, settings.model_name, settings.model):
+            out.append(f"--lora-modules {module.name}: base_model_name {module.base_model_name!r} is not the "
+                       f"served model ({settings.model_name!r})")
     count = settings.vllm_args.get("api_server_count")
     if count is not None and count != 1:
         out.append(f"--api-server-count {count} is not supported by tito: tito runs one API process (its engine "

@@ -108,6 +108,9 @@ async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     if state_dir is not None:
         state.weights.recorder = WeightRecord(state_dir, settings.model, volatile=[state.staging.root])
         await restore(state.weights, state.staging, state.weights.recorder)
+    for module in settings.vllm_args.get("lora_modules") or ():  # vLLM's --lora-modules: adapters served from start
+        entry = await state.adapters.load(module.name, module.path, inplace=False, trusted=True)
+        log.info("LoRA adapter %s loaded from %s (--lora-modules)", entry.name, entry.path)
     if settings.warmup:
         await engine.warmup()
     await start_services(app, state)
