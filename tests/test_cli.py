@@ -251,3 +251,13 @@ def test_stream_interval_sends_fewer_larger_events_with_the_same_tokens(cli_serv
     assert logprobs == pytest.approx([e["logprob"] for e in whole["logprobs"]["content"]], abs=1e-5)
     default = _stream_choices(tito_url, body)
     assert [t for ch in default for t in ch["token_ids"]] == tokens
+
+
+@pytest.mark.engine
+def test_what_vllm_cannot_run_here_stops_the_start_with_its_own_reason(tiny_model: Path) -> None:
+    """An engine argument this platform cannot run gets vLLM's own refusal in one line, exit 2, before anything
+    starts (sampling masks need vLLM's GPU model runner)."""
+    out = tito("serve", "--model", str(tiny_model), "--return-sampling-mask", timeout=180)
+    assert out.returncode == 2, out.stderr
+    line = "tito: vLLM refuses the engine arguments: sampling distribution replay requires Model Runner V2"
+    assert line in out.stderr.splitlines(), out.stderr
