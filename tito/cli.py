@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from app.core.settings import Settings, add_server_flags
@@ -82,10 +83,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     try:
-        return serve(app, settings.host, settings.port)
+        code = serve(app, settings.host, settings.port)
     finally:
         if app.state.sidecar is not None:  # Dynamo's sidecar (app/dynamo/supervisor.py) never outlives the server
             app.state.sidecar.stop_now()
+    if not getattr(ns, "own_process", False):
+        return code
+    from app.server.lifecycle import exit_now
+
+    exit_now(code)  # no interpreter teardown: Triton's bindings print ~30 lines of "leaked" objects in it
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
@@ -132,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     ns.own_process = argv is None  # the command line is this process's own: `serve` may re-execute it
-    return int(ns.func(ns))
+    try:
+        return int(ns.func(ns))
+    except BrokenPipeError:
+        # The reader left (`tito status | head`): not an error. Stdout goes to /dev/null so the flush at exit cannot
+        # raise again; 141 is the shell's code for a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
