@@ -14,11 +14,13 @@ BENCH_ARGS  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve test lint unit bench install model model-check clean help trainers trainers-bg areal areal-bg
+.PHONY: serve dynamo test lint unit bench install model model-check clean help trainers trainers-bg areal areal-bg
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
 	@echo "               (HOST, PORT, DTYPE; MODEL=DIR serves an existing model directory instead)"
+	@echo "make dynamo  - tito under Dynamo on this machine: Dynamo's frontend on $(PORT), tito and its sidecar"
+	@echo "               (scripts/dynamo_local.sh; installs the dynamo and grpc extras first)"
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
 	@echo "make lint    - ruff + mypy + the generated reference pages + the docs (mkdocs build --strict)"
 	@echo "make unit    - the fast tests only (no engine)"
@@ -121,6 +123,16 @@ model-check:
 
 serve: $(MODEL_READY) $(VENV)/.installed-cpu
 	$(BIN)/tito serve --model $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE)
+
+$(VENV)/.installed-dynamo: pyproject.toml $(VENV)/.installed-cpu
+	$(UV_PIP) $(BIN)/python install -e '.[cpu,dynamo,grpc]'
+	# --no-deps: see the `dynamo` extra in pyproject.toml.
+	$(UV_PIP) $(BIN)/python install --no-deps ai-dynamo==1.6.1
+	-$(UV_PIP) $(BIN)/python uninstall $(CUDA_ONLY)
+	touch $@
+
+dynamo: $(MODEL_READY) $(VENV)/.installed-dynamo
+	MODEL=$(MODEL) HTTP_PORT=$(PORT) VENV=$(VENV) bash scripts/dynamo_local.sh
 
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
