@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny-model", help="Write the tiny random-weight test model.",
                        description="Write a tiny random-weight Qwen3 (vocab 512, hidden 128, 2 layers), "
-                       "deterministic from --seed, offline, with a byte-level BPE tokenizer (tokens-only tito "
-                       "ignores it; Dynamo's frontend uses it).")
+                       "deterministic from --seed, offline, with a byte-level BPE tokenizer and a chat template "
+                       "(tito's text routes use it: /v1/chat/completions, /tokenize, /detokenize; so does "
+                       "Dynamo's frontend; --skip-tokenizer-init serves token ids only).")
     m.add_argument("dir", help="Output directory.")
     m.add_argument("--seed", type=int, default=1234, help="Random seed (default 1234).")
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
