@@ -228,8 +228,12 @@ class ControlPlane:
             if left > 0:
                 await asyncio.sleep(left)
                 continue
-            # In the queue like any other call: never in the middle of an update; at its turn it checks again,
-            # since a call that ran meanwhile renewed the lease.
+            if self.lock.locked():
+                async with self.lock:  # a transition is running: it renews the lease as it ends; look again then
+                    pass
+                continue
+            # In the queue like any other call, never in the middle of one; at its turn it checks again, since a
+            # call that slipped in first renewed the lease.
             await self.run("resume (pause lease expired)", self._expire_lease, None)
 
     async def _expire_lease(self) -> None:
