@@ -209,13 +209,14 @@ class ControlPlane:
 
     def _arm_lease(self, lease: float) -> None:
         """Start (or replace, or with 0 end) the lease of the pause just applied."""
-        self._end_lease()
+        self.end_lease()
         self.lease = lease
         self._lease_deadline = time.monotonic() + lease
         if lease:
             self._lease_task = asyncio.ensure_future(self._watch_lease())
 
-    def _end_lease(self) -> None:
+    def end_lease(self) -> None:
+        """No lease from now on (a resume, a pause without one, the server's shutdown)."""
         self.lease = 0.0
         if self._lease_task is not None:
             # Safe at any point: the expiry's own transition runs shielded and checks the lease at its turn.
@@ -270,7 +271,7 @@ class ControlPlane:
     def _paused(self, mode: str | None) -> None:
         self.paused_mode = mode
         if mode is None:
-            self._end_lease()
+            self.end_lease()
         metrics.PAUSED.set(0 if mode is None else 1)
 
 
