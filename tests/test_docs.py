@@ -192,25 +192,31 @@ def test_curl_examples_answer_on_a_real_server(tito_url: str) -> None:
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+# The `tito` client commands a page shows that run as written against the default server (no file of the reader's,
+# no other model): README's and operations' (the others name a checkpoint, an adapter or an image).
+RUNNABLE = frozenset({"generate", "status", "drain", "undrain", "pause", "resume"})
+
+
 def _readme_snippets() -> tuple[str, list[list[str]]]:
-    """README's Python snippet (the one that uses the client) and its ``tito`` commands."""
-    text = README.read_text()
-    [snippet] = [b for b in PYTHON_BLOCK.findall(text) if "TitoClient(" in b]
-    commands = [argv for argv in _shell_commands(text) if argv[0] == ".venv/bin/tito" and argv[1] != "serve"]
+    """README's Python snippet (the one that uses the client) and the pages' runnable ``tito`` commands."""
+    [snippet] = [b for b in PYTHON_BLOCK.findall(README.read_text()) if "TitoClient(" in b]
+    commands = [argv for page in PAGES for argv in _shell_commands(page.read_text())
+                if argv[0] == ".venv/bin/tito" and argv[1] in RUNNABLE and "--image" not in argv]
     return snippet, commands
 
 
 def test_readme_snippets_are_found():
     snippet, commands = _readme_snippets()
     assert "http://127.0.0.1:8000" in snippet and "update_weights(" in snippet
-    assert [argv[1] for argv in commands] == ["generate", "status"]
+    assert [argv[1] for argv in commands] == ["generate", "status", "drain", "undrain"]
 
 
 @pytest.mark.engine
 def test_readme_snippets_run_as_written_on_a_real_server(tito_url: str, tiny_model: Path) -> None:
-    """README's Python snippet and ``tito`` commands, run as written (only the URL is the shared server's) from the
-    checkout's root, as a newcomer runs them after ``make serve``: they exit 0, the snippet's weight update lands
-    (version step_7) and leaves the server resumed. The server is put back (base weights) afterwards."""
+    """README's Python snippet and the pages' runnable ``tito`` commands, run as written (only the URL is the
+    shared server's) from the checkout's root, as a newcomer runs them after ``make serve``: they exit 0, the
+    snippet's weight update lands (version step_7) and leaves the server resumed, the drain is undone. The server is
+    put back (base weights) afterwards."""
     import httpx
 
     from app.tiny.model import make_tiny_model
@@ -238,6 +244,7 @@ def test_readme_snippets_run_as_written_on_a_real_server(tito_url: str, tiny_mod
                                  text=True, timeout=120)
             assert out.returncode == 0, (argv, out.stderr)
             assert out.stdout.strip(), argv
+        assert httpx.get(tito_url + "/ready", timeout=30).status_code == 200  # drained, then undrained
     finally:
         restore_server(tito_url)
 
