@@ -76,3 +76,28 @@ async def test_a_resume_or_a_pause_without_lease_ends_the_lease() -> None:
     assert [n for n, _ in plane.history][-1] == "pause (mode=keep)"
     await plane.resume(10.0)
     assert not engine.paused
+
+
+async def test_the_lease_waits_for_an_update_outside_the_queue() -> None:
+    """vLLM's native update (start .. finish) holds no control-queue turn; the lease waits for it like /resume."""
+    plane, engine = _plane()
+    done = asyncio.Event()
+
+    class Native(_Weights):
+        async def wait_idle(self, timeout: float) -> bool:
+            try:
+                await asyncio.wait_for(done.wait(), timeout)
+            except TimeoutError:
+                return False
+            self.busy = False
+            return True
+
+    native = Native()
+    plane.weights = native  # type: ignore[assignment]
+    await plane.pause("keep", False, 10.0, lease=0.1)
+    native.busy = True  # /start_weight_update, after the pause
+    await asyncio.sleep(0.4)  # the lease ran out long ago, but the update is still open
+    assert engine.paused
+    done.set()  # /finish_weight_update
+    await _until(lambda: not engine.paused)
+    assert [n for n, _ in plane.history][-1] == "resume (pause lease expired)"

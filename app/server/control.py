@@ -233,6 +233,10 @@ class ControlPlane:
                 async with self.lock:  # a transition is running: it renews the lease as it ends; look again then
                     pass
                 continue
+            if self.weights.busy and not self.updates:
+                # An update outside the queue (vLLM's native start .. finish) is never cut either, as for /resume.
+                await self.weights.wait_idle(ENGINE_CALL_TIMEOUT_S)
+                continue
             # In the queue like any other call, never in the middle of one; at its turn it checks again, since a
             # call that slipped in first renewed the lease.
             await self.run("resume (pause lease expired)", self._expire_lease, None)
