@@ -4,7 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
-MODEL  ?= models/tiny-qwen3
+TINY_MODEL := models/tiny-qwen3
+MODEL  ?= $(TINY_MODEL)
 DTYPE  ?= float32
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
@@ -13,15 +14,23 @@ BENCH_ARGS  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve test lint unit bench install model clean help trainers trainers-bg areal areal-bg
+.PHONY: serve dynamo test lint unit bench install model model-check clean help trainers trainers-bg areal areal-bg
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
+	@echo "               (HOST, PORT, DTYPE; MODEL=DIR serves an existing model directory instead)"
+	@echo "make dynamo  - tito under Dynamo on this machine: Dynamo's frontend on $(PORT), tito and its sidecar"
+	@echo "               (scripts/dynamo_local.sh; installs the dynamo and grpc extras first)"
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
-	@echo "make lint    - ruff + mypy + the docs (mkdocs build --strict)"
+	@echo "make lint    - ruff + mypy + the generated reference pages + the docs (mkdocs build --strict)"
 	@echo "make unit    - the fast tests only (no engine)"
+	@echo "make install - the venv with tito and vLLM's CPU build ($(VENV))"
+	@echo "make model   - write the tiny default model at $(TINY_MODEL)"
 	@echo "make trainers - the venv of SkyRL's clients (TRAINERS_VENV=$(TRAINERS_VENV)) for tests/test_trainers.py"
-	@echo "make bench   - benchmark tito vs the engine in-process vs vLLM's own server (BENCH_ARGS=...), into results/"
+	@echo "make areal   - the venv of AReaL's clients (AREAL_VENV=$(AREAL_VENV)) for tests/test_areal.py"
+	@echo "make bench   - scripts/bench.py (tito vs the engine in-process vs vLLM's own server, BENCH_ARGS=...), then"
+	@echo "               scripts/bench_weights.py (weight updates vs vLLM's reload; takes no BENCH_ARGS), into results/"
+	@echo "make clean   - remove the venv, models/, results/, site/ and the caches"
 
 # Installs go through uv (scripts/uv_pip.py: the sources and constraints pip is configured with): from nothing, the
 # test venv takes ~75 s instead of pip's ~250 s. UV_PIP <venv python> install|uninstall ...
@@ -99,13 +108,31 @@ $(eval $(call client_venv,areal,AREAL))
 
 install: $(VENV)/.installed-cpu
 
-$(MODEL)/config.json: | $(VENV)/.installed-cpu
-	$(BIN)/tito make-tiny-model $(MODEL)
+$(TINY_MODEL)/config.json: | $(VENV)/.installed-cpu
+	$(BIN)/tito make-tiny-model $(TINY_MODEL)
 
-model: $(MODEL)/config.json
+model: $(TINY_MODEL)/config.json
 
-serve: $(VENV)/.installed-cpu $(MODEL)/config.json
+# The model to serve: the tiny one is written at its own path only; any other MODEL must already be a model directory
+# (a typo must not serve random weights).
+MODEL_READY := $(if $(filter $(abspath $(MODEL)),$(abspath $(TINY_MODEL))),$(TINY_MODEL)/config.json,model-check)
+
+model-check:
+	@test -f '$(MODEL)/config.json' || { echo "make: MODEL=$(MODEL) is not a model directory (no config.json in it);" \
+	  "give a Hugging Face model directory, or leave MODEL unset for the tiny model ($(TINY_MODEL))" >&2; exit 2; }
+
+serve: $(MODEL_READY) $(VENV)/.installed-cpu
 	$(BIN)/tito serve --model $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE)
+
+$(VENV)/.installed-dynamo: pyproject.toml $(VENV)/.installed-cpu
+	$(UV_PIP) $(BIN)/python install -e '.[cpu,dynamo,grpc]'
+	# --no-deps: see the `dynamo` extra in pyproject.toml.
+	$(UV_PIP) $(BIN)/python install --no-deps ai-dynamo==1.6.1
+	-$(UV_PIP) $(BIN)/python uninstall $(CUDA_ONLY)
+	touch $@
+
+dynamo: $(MODEL_READY) $(VENV)/.installed-dynamo
+	MODEL=$(MODEL) HTTP_PORT=$(PORT) VENV=$(VENV) bash scripts/dynamo_local.sh
 
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
@@ -120,7 +147,7 @@ unit: $(VENV)/.installed-test
 
 # Lint runs beside the suite, not before it (~2 minutes of one core from a clean clone, mostly mypy without its
 # cache; the suite leaves a quarter of two cores idle): its report is printed after the suite's, and fails the run.
-test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL)/config.json
+test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL_READY)
 	@echo "make lint: running beside the tests (log: .lint.log)"
 	@( $(MAKE) --no-print-directory lint > .lint.log 2>&1; echo $$? > .lint.rc ) & \
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; wait; \
@@ -129,7 +156,7 @@ test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL)/config.json
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
-bench: $(VENV)/.installed-test $(MODEL)/config.json
+bench: $(VENV)/.installed-test $(MODEL_READY)
 	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(BENCH_ARGS)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 

@@ -32,8 +32,11 @@ async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True
                 timeout: float = Query(300.0, gt=0, description="Seconds to wait for earlier control calls and, with "
                                                                 "mode=wait, for the drain; a drain that does not end "
                                                                 "in time is cancelled (504)."),
+                lease: float | None = Query(None, ge=0, description="Seconds after which tito resumes by itself if "
+                                                                    "no control call (resume, update, pause) comes; "
+                                                                    "0: none; default: --pause-lease."),
                 state: AppState = Depends(get_state)) -> Response:
-    await svc.pause_generation(state, mode, clear_cache, timeout, shield=False)
+    await svc.pause_generation(state, mode, clear_cache, timeout, lease=lease, shield=False)
     return json_response({"status": "paused"})
 
 

@@ -155,6 +155,22 @@ def test_status_summarizes_server_info(tito_url: str, tiny_model: Path) -> None:
     assert fields["adapters"] == "none"
     raw = json.loads(tito("status", "--json", "--url", tito_url).stdout)
     assert raw["state"]["ready"] is True
+    # Nothing committed before this server's start: the model's own weights, and where updates would be recorded.
+    state_dir = raw["state"]["weight_record"]["state_dir"]
+    assert fields["weights from"] == f"the model directory at start (weight record: {state_dir})"
+
+
+@pytest.mark.engine
+def test_status_into_a_closed_pipe_ends_quietly(tito_url: str) -> None:
+    """``tito status | head``: the reader is gone before tito writes; no BrokenPipeError traceback, SIGPIPE's 141."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TITO_")}
+    p = subprocess.Popen([sys.executable, "-m", "tito", "status", "--json", "--url", tito_url], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # the reader leaves at once
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == ""
 
 
 # ------------------------------------------------------------------------------------------------ own server

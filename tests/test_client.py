@@ -23,7 +23,7 @@ import pytest
 
 from app.client import AsyncTitoClient, GenerateResult, StreamDelta, TitoClient, TitoError
 from tests.conftest import ADMIN_KEY, DATA_KEY, KEYED_MAX_MODEL_LEN
-from tests.helpers import ROOT, ServerProcess, free_port, restore_server
+from tests.helpers import ROOT, ServerProcess, free_port, metric_value, restore_server
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -258,6 +258,62 @@ def test_pause_resume(admin: TitoClient) -> None:
         assert admin.resume()["status"] == "resumed"
     assert admin.is_paused() is False
     assert len(admin.generate(PROMPT, max_tokens=2).token_ids) == 2
+
+
+@pytest.mark.engine
+def test_paused_block_resumes_also_when_it_raises(admin: TitoClient, tiny_model: Path) -> None:
+    """README's snippet as a newcomer first runs it: an update refused (403, a path outside the allowed roots) inside
+    ``with c.paused()`` leaves the server generating, not paused for ever; then the async flavour's happy path."""
+    with pytest.raises(TitoError) as e, admin.paused():
+        assert admin.is_paused() is True
+        admin.update_weights("/ckpt/step_7", weight_version="step_7")
+    assert e.value.status == 403 and e.value.param == "weight_dir"
+    assert admin.is_paused() is False
+    assert len(admin.generate(PROMPT, max_tokens=2).token_ids) == 2
+
+    async def update() -> tuple[bool, str]:
+        async with AsyncTitoClient(admin.base_url, api_key=DATA_KEY, admin_api_key=ADMIN_KEY, timeout=120) as ac:
+            async with ac.paused(mode="abort"):
+                paused = await ac.is_paused()
+                await ac.update_weights(str(tiny_model), weight_version="ctx-v1")
+            return paused, (await ac.server_info())["state"]["weight_version"]
+
+    try:
+        assert asyncio.run(update()) == (True, "ctx-v1")
+        assert admin.is_paused() is False
+    finally:
+        restore_server(admin.base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+
+@pytest.mark.engine
+def test_a_pause_lease_ends_the_pause_nobody_ends(admin_server: ServerProcess, admin: TitoClient) -> None:
+    """A pause with a lease and no control call after it: tito resumes by itself, in the control queue, logs it and
+    counts it. A resume before the lease runs out ends the lease (nothing fires later)."""
+    def expired() -> float:
+        return metric_value(admin.metrics(), "tito_pause_lease_expired_total", {"outcome": "resumed"}) or 0.0
+
+    def control() -> dict[str, object]:
+        return dict(admin.server_info()["state"]["control"])
+
+    before = expired()
+    try:
+        admin.pause(mode="keep", lease=600)
+        assert control()["pause_lease_s"] == 600 and 0 < float(control()["pause_lease_left_s"]) <= 600  # type: ignore[arg-type]
+        admin.resume()
+        assert control()["pause_lease_s"] is None  # resumed: no lease left to fire
+        admin.pause(mode="keep", lease=1.0)
+        assert admin.is_paused() is True
+        deadline = time.monotonic() + 60
+        while admin.is_paused():
+            assert time.monotonic() < deadline, "the lease never resumed the server"
+            time.sleep(0.1)
+        assert expired() == before + 1
+        recent = [c["call"] for c in control()["recent"]]  # type: ignore[union-attr]
+        assert recent[-1] == "resume (pause lease expired)"
+        assert "pause lease of 1s expired with no control call since" in admin_server.log_path.read_text()
+        assert len(admin.generate(PROMPT, max_tokens=2).token_ids) == 2
+    finally:
+        admin.resume()
 
 
 @pytest.mark.engine

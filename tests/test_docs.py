@@ -1,4 +1,4 @@
-"""Fast tests (no engine): the docs say what the code does.
+"""The docs say what the code does: fast tests (no engine), and two on the shared default server.
 
 - every ``tito`` command in a shell block of README or docs/ parses with tito's own argument parser, every
   ``make`` target exists, every ``python scripts/...`` names a script that exists;
@@ -6,7 +6,9 @@
 - every route in the HTTP API table is served, every /server_info key is on its page, every ``tito`` subcommand is
   in the client guide;
 - README stays a front page (≤ 250 lines, its links resolve), and no page carries internal issue numbers or commit
-  hashes.
+  hashes;
+- on a real engine: README's and the first guides' curl bodies answer, and README's Python snippet and ``tito``
+  commands run as written (a page that goes stale fails here).
 
 The generated reference pages (flags, routes, metrics) are checked by ``make lint`` (``scripts/gen_reference.py
 --check``), which ``make test`` runs before pytest: not twice.
@@ -14,9 +16,11 @@ The generated reference pages (flags, routes, metrics) are checked by ``make lin
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,6 +191,66 @@ def test_curl_examples_answer_on_a_real_server(tito_url: str) -> None:
             else:
                 tokens = answer["usage"]["completion_tokens"] * [0]
             assert 0 < len(tokens) <= body.get("sampling_params", body).get("max_tokens", 10**6), (page, answer)
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+# The `tito` client commands a page shows that run as written against the default server (no file of the reader's,
+# no other model): README's and operations' (the others name a checkpoint, an adapter or an image).
+RUNNABLE = frozenset({"generate", "status", "drain", "undrain", "pause", "resume"})
+
+
+def _readme_snippets() -> tuple[str, list[list[str]]]:
+    """README's Python snippet (the one that uses the client) and the pages' runnable ``tito`` commands."""
+    [snippet] = [b for b in PYTHON_BLOCK.findall(README.read_text()) if "TitoClient(" in b]
+    commands = [argv for page in PAGES for argv in _shell_commands(page.read_text())
+                if argv[0] == ".venv/bin/tito" and argv[1] in RUNNABLE and "--image" not in argv]
+    return snippet, commands
+
+
+def test_readme_snippets_are_found():
+    snippet, commands = _readme_snippets()
+    assert "http://127.0.0.1:8000" in snippet and "update_weights(" in snippet
+    assert [argv[1] for argv in commands] == ["generate", "status", "drain", "undrain"]
+
+
+@pytest.mark.engine
+def test_readme_snippets_run_as_written_on_a_real_server(tito_url: str, tiny_model: Path) -> None:
+    """README's Python snippet and the pages' runnable ``tito`` commands, run as written (only the URL is the
+    shared server's) from the checkout's root, as a newcomer runs them after ``make serve``: they exit 0, the
+    snippet's weight update lands (version step_7) and leaves the server resumed, the drain is undone. The server is
+    put back (base weights) afterwards."""
+    import httpx
+
+    from app.tiny.model import make_tiny_model
+    from tests.helpers import restore_server
+
+    snippet, commands = _readme_snippets()
+    here = ROOT / "models" / "tiny-qwen3"
+    if not (here / "config.json").exists():  # what `make serve` writes; pytest alone may not have
+        make_tiny_model(here)
+    if not here.resolve().is_relative_to(ROOT.resolve()):
+        # A checkout whose models/ links elsewhere (a git worktree sharing another's): the server's working directory
+        # does not hold it, so the same weights at the session's model path (an allowed root) stand in.
+        snippet = snippet.replace('"models/tiny-qwen3"', repr(str(tiny_model)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TITO_")} | {"TITO_URL": tito_url}
+    try:
+        out = subprocess.run([sys.executable, "-c", snippet.replace("http://127.0.0.1:8000", tito_url)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.rstrip().endswith("length"), out.stdout  # print(out.token_ids, ..., out.finish_reason)
+        with httpx.Client(base_url=tito_url, timeout=30) as c:
+            assert c.get("/weight_info").json() == {"weight_version": "step_7"}
+            assert c.get("/is_paused").json() == {"is_paused": False}
+        for argv in commands:
+            out = subprocess.run([sys.executable, "-m", "tito", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 0, (argv, out.stderr)
+            assert out.stdout.strip(), argv
+        assert httpx.get(tito_url + "/ready", timeout=30).status_code == 200  # drained, then undrained
+    finally:
+        restore_server(tito_url)
 
 
 async def test_server_info_keys_are_documented():

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.client.commands import format_status
 from app.core.settings import Settings
 from app.tiny.model import make_tiny_model, tiny_state_dict
 from app.weights.record import WeightRecord, resolve_state_dir, write_atomic
@@ -56,7 +57,8 @@ def _record(state_dir: Path) -> dict[str, Any]:
 GEN = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
 
 
-async def test_a_checkpoint_plus_an_uploaded_delta_is_restored_before_ready(model_dir: Path, root: Path) -> None:
+async def test_a_checkpoint_plus_an_uploaded_delta_is_restored_before_ready(model_dir: Path, root: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
     state_dir = root / "state-a"
     base = tiny_state_dict(7)
     step1 = write_step(root / "step_1", base)
@@ -89,6 +91,14 @@ async def test_a_checkpoint_plus_an_uploaded_delta_is_restored_before_ready(mode
         assert info["weight_version"] == "step_2"
         assert info["weight_record"]["restored"]["weight_version"] == "step_2"
         assert info["weight_record"]["restored"]["deltas"] == 1
+        # Said at start and by `tito status`: which weights, from where (a surprise otherwise on a laptop).
+        said = [m for r in caplog.records if r.levelname == "WARNING" and "restored from" in (m := r.getMessage())]
+        assert said == [f"serving weight version step_2, restored from the weight record in {state_dir} (checkpoint "
+                        f"{step1.resolve()} + 1 delta(s)), not {model_dir}'s own weights: the last version committed "
+                        f"before this restart; start with --state-dir off, or remove {state_dir / 'weights.json'}, "
+                        "to serve --model's weights"]
+        status = format_status((await c.get("/server_info")).json())
+        assert f"weights from    step_2 restored at start from {state_dir} ({step1.resolve()} + 1 delta(s))" in status
         r = await c.post("/inference/v1/generate", json=GEN)
         assert r.status_code == 200, r.text
         # /reload_weights: back to the base weights, and the record says so (the delta's copy is collected).

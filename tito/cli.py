@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -105,10 +106,15 @@ def cmd_serve(argv: list[str], own_process: bool = False) -> int:
 
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     try:
-        return serve(app, settings)
+        code = serve(app, settings)
     finally:
         if app.state.sidecar is not None:  # Dynamo's sidecar (app/dynamo/supervisor.py) never outlives the server
             app.state.sidecar.stop_now()
+    if not own_process:
+        return code
+    from app.server.lifecycle import exit_now
+
+    exit_now(code)  # no interpreter teardown: Triton's bindings print ~30 lines of "leaked" objects in it
 
 
 def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
@@ -135,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny-model", help="Write the tiny random-weight test model.",
                        description="Write a tiny random-weight Qwen3 (vocab 512, hidden 128, 2 layers), "
-                       "deterministic from --seed, offline, with a byte-level BPE tokenizer (tokens-only tito "
-                       "ignores it; Dynamo's frontend uses it).")
+                       "deterministic from --seed, offline, with a byte-level BPE tokenizer and a chat template "
+                       "(tito's text routes use it: /v1/chat/completions, /tokenize, /detokenize; so does "
+                       "Dynamo's frontend; --skip-tokenizer-init serves token ids only).")
     m.add_argument("dir", help="Output directory.")
     m.add_argument("--seed", type=int, default=1234, help="Random seed (default 1234).")
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
@@ -154,11 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["serve"]:
-        # The command line is this process's own (argv None): `serve` may re-execute it.
-        return cmd_serve(args[1:], own_process=argv is None)
-    ns = build_parser().parse_args(args)
-    return int(ns.func(ns))
+    try:
+        if args[:1] == ["serve"]:
+            # The command line is this process's own (argv None): `serve` may re-execute it.
+            return cmd_serve(args[1:], own_process=argv is None)
+        ns = build_parser().parse_args(args)
+        return int(ns.func(ns))
+    except BrokenPipeError:
+        # The reader left (`tito status | head`): not an error. Stdout goes to /dev/null so the flush at exit cannot
+        # raise again; 141 is the shell's code for a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -275,7 +275,8 @@ def _services(settings: Settings) -> list[Any]:
         try:
             from app.grpc.server import GrpcService  # the `grpc` extra, only when asked for
         except ImportError as e:
-            raise RuntimeError(f"--grpc-port needs the grpc extra (pip install 'tito[grpc]'): {e}") from e
+            raise RuntimeError(f"--grpc-port needs the grpc extra (from a checkout: .venv/bin/pip install -e "
+                               f"'.[grpc]'; from a wheel: pip install 'tito[grpc]'): {e}") from e
         services.append(GrpcService())
     return services
 

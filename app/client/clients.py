@@ -8,6 +8,8 @@ nothing for it::
     with TitoClient("http://127.0.0.1:8000") as c:
         out = c.generate([1, 2, 3], max_tokens=8, temperature=0, logprobs=1)
         print(out.token_ids, out.logprobs)
+        with c.paused():  # resumed when the block ends, also when it raises
+            c.update_weights("models/tiny-qwen3", weight_version="step_1")
 
 Every method has a timeout. Calls that are safe to repeat (reads, pause/resume, drain/undrain, abort, LoRA load under
 a fixed name on Prime-RL's route) are retried with exponential backoff on connection errors and 502/504; calls that
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -98,6 +101,22 @@ class AsyncTitoClient(Routes):
                 await asyncio.sleep(self._retry_delay(call, attempt, resp))
             attempt += 1
 
+    @asynccontextmanager
+    async def paused(self, mode: str = "keep", clear_cache: bool = False, *,
+                     lease: float | None = None) -> AsyncIterator[None]:
+        """``async with c.paused(): await c.update_weights(...)``: pause, run the block, resume, also when the block
+        raises (then a failed resume is noted on the block's error, which is the one raised)."""
+        await self.pause(mode, clear_cache, lease=lease)
+        try:
+            yield
+        except BaseException as e:
+            try:
+                await self.resume()
+            except TitoError as r:
+                e.add_note(f"resuming after it failed too: {r}")
+            raise
+        await self.resume()
+
     async def generate(self, token_ids: list[int], sampling_params: dict[str, Any] | None = None,
                        **kw: Unpack[GenerateOptions]) -> GenerateResult:
         """``POST /inference/v1/generate``. Keyword sampling arguments override ``sampling_params``."""
@@ -167,6 +186,21 @@ class TitoClient(Routes):
                     return call.parse(resp)
                 time.sleep(self._retry_delay(call, attempt, resp))
             attempt += 1
+
+    @contextmanager
+    def paused(self, mode: str = "keep", clear_cache: bool = False, *, lease: float | None = None) -> Iterator[None]:
+        """``with c.paused(): c.update_weights(...)``: pause, run the block, resume, also when the block raises (then
+        a failed resume is noted on the block's error, which is the one raised). ``lease``: see ``pause``."""
+        self.pause(mode, clear_cache, lease=lease)
+        try:
+            yield
+        except BaseException as e:
+            try:
+                self.resume()
+            except TitoError as r:
+                e.add_note(f"resuming after it failed too: {r}")
+            raise
+        self.resume()
 
     def generate(self, token_ids: list[int], sampling_params: dict[str, Any] | None = None,
                  **kw: Unpack[GenerateOptions]) -> GenerateResult:

@@ -164,6 +164,23 @@ def _first(d: Any, *keys: str) -> Any:
     return None
 
 
+def _weights_from(rec: Any) -> str | None:
+    """Where the served weights came from at start: the weight record (a restart restores the last committed
+    version), or the model directory."""
+    if not isinstance(rec, dict):
+        return "the model directory (no weight record: --state-dir off)" if rec is None else None
+    where = rec.get("state_dir")
+    if rec.get("restore_error"):
+        return f"restore FAILED from {where}: {rec['restore_error']}"
+    restored = rec.get("restored")
+    if isinstance(restored, dict):
+        src = restored.get("weights") or {}
+        what = src.get("dir") or src.get("kind") or "?"
+        deltas = f" + {restored['deltas']} delta(s)" if restored.get("deltas") else ""
+        return f"{restored.get('weight_version')} restored at start from {where} ({what}{deltas})"
+    return f"the model directory at start (weight record: {where})"
+
+
 def format_status(info: dict[str, Any]) -> str:
     """A readable summary of ``/server_info``: model, state, weight version, in-flight requests, adapters."""
     st = info.get("state") or {}
@@ -181,6 +198,7 @@ def format_status(info: dict[str, Any]) -> str:
         ("model", f"{model}" + (f" ({path})" if path and path != model else "")),
         ("state", state),
         ("weight version", st.get("weight_version")),
+        ("weights from", _weights_from(st.get("weight_record"))),
         ("in flight", st.get("inflight")),
         ("adapters", ", ".join(str(n) for n in names) if names else "none"),
         ("max model len", _first(info, "model.max_model_len")),

@@ -371,10 +371,15 @@ class Routes:
             body = {"request_ids": [request_ids] if isinstance(request_ids, str) else list(request_ids)}
         return self._send(Call("POST", "/abort_requests", json=body, idempotent=True, timeout=PROBE_TIMEOUT * 3))
 
-    def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None) -> Any:
-        """``POST /pause``: ``keep`` parks in-flight requests, ``wait`` lets them finish, ``abort`` ends them."""
-        return self._send(Call("POST", "/pause", params={"mode": mode, "clear_cache": _bool(clear_cache)},
-                                idempotent=True, timeout=timeout or ADMIN_TIMEOUT))
+    def pause(self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None, *,
+              lease: float | None = None) -> Any:
+        """``POST /pause``: ``keep`` parks in-flight requests, ``wait`` lets them finish, ``abort`` ends them.
+        ``lease``: seconds after which the server resumes by itself if no control call comes (None: its
+        ``--pause-lease``). Prefer ``with client.paused(): ...``, which always resumes."""
+        params: dict[str, Any] = {"mode": mode, "clear_cache": _bool(clear_cache)}
+        if lease is not None:
+            params["lease"] = lease
+        return self._send(Call("POST", "/pause", params=params, idempotent=True, timeout=timeout or ADMIN_TIMEOUT))
 
     def resume(self) -> Any:
         return self._send(Call("POST", "/resume", idempotent=True))

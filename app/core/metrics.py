@@ -18,6 +18,8 @@ REJECTED = Counter("tito_rejected_requests_total", "Requests refused with a 4xx 
                    ["reason"])
 DRAINING = Gauge("tito_draining", "1 while the server is draining")
 PAUSED = Gauge("tito_paused", "1 while generation is paused")
+PAUSE_LEASE_EXPIRED = Counter("tito_pause_lease_expired_total", "Pauses whose lease ran out with no control call, "
+                              "by outcome: resumed by tito, or refused (weights inconsistent)", ["outcome"])
 WEIGHT_UPDATES = Counter("tito_weight_updates_total", "Weight updates by source and outcome", ["source", "outcome"])
 WEIGHT_UPDATE_SECONDS = Histogram("tito_weight_update_seconds", "Seconds per successful weight update", ["source"],
                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))

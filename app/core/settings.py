@@ -158,6 +158,9 @@ class Settings:
                                      "peer need no key (the Dynamo sidecar beside tito sends none); others always do.")
     # --- HTTP server
     max_body_bytes: int = flag(8 * 1024 * 1024, "Largest request body accepted (413 beyond).")
+    pause_lease: float = flag(
+        0.0, "Default lease of a /pause (seconds; /pause?lease= overrides): resume by itself when no control call "
+        "comes for that long; 0: none, a pause lasts until /resume.")
     shutdown_timeout: float = flag(30.0, "Seconds to let in-flight requests finish on SIGTERM before aborting "
                                    "(vLLM's default 0 aborts at once; tito drains, as a replica leaving a fleet "
                                    "should).")

@@ -12,6 +12,10 @@ Defined outcomes of concurrent calls:
   still draining supersedes it: the pause is cancelled the same way and answers 409, then the resume runs. The last
   call wins.
 - A call that cannot get its turn within its own timeout changes nothing and answers 409.
+- A pause may carry a lease (``/pause?lease=S``, default ``--pause-lease``, 0: none): when ``S`` seconds pass with no
+  control call (each one renews it), tito resumes by itself, as a transition in the queue like any other (never in
+  the middle of an update), logs a warning and counts it in ``tito_pause_lease_expired_total``. Off by default: the
+  trainers resume themselves (see docs/guides/weight-updates.md, "A pause nobody ends").
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class ControlPlane:
         self.paused_mode: str | None = None  # the mode of the pause this plane applied last (None: resumed)
         # The last transitions in the order they ran: (name, outcome), for /server_info and for tests.
         self.history: deque[tuple[str, str]] = deque(maxlen=32)
+        # The pause lease: seconds the current pause holds without a control call (0: until /resume).
+        self.lease = 0.0
+        self._lease_deadline = 0.0
+        self._lease_task: asyncio.Task[None] | None = None
 
     async def run(self, name: str, fn: Callable[[], Awaitable[T]], wait: float | None, *, shield: bool = True) -> T:
         """Run ``fn`` as the next transition; ``wait`` bounds the time spent queued (409 then). ``shield``: in a task
@@ -108,12 +116,16 @@ class ControlPlane:
             raise
         finally:
             metrics.CONTROL_SECONDS.labels(label, "run").observe(time.perf_counter() - t1)
+            if self.lease:
+                self._lease_deadline = time.monotonic() + self.lease  # a live trainer renews the lease
             self.history.append((name, outcome))
             self.holder = None
             self.lock.release()
 
     def info(self) -> dict[str, Any]:
+        left = max(0.0, self._lease_deadline - time.monotonic()) if self.lease else None
         return {"running": self.holder, "queued": self.queued, "paused_mode": self.paused_mode,
+                "pause_lease_s": self.lease or None, "pause_lease_left_s": left,
                 "recent": [{"call": n, "outcome": o} for n, o in self.history]}
 
     # ------------------------------------------------------------------ transitions
@@ -127,9 +139,11 @@ class ControlPlane:
             if not await mgr.wait_idle(wait):
                 raise ApiError(409, f"a weight update is still running after {wait:g}s; retry later.")
 
-    async def pause(self, mode: str, clear_cache: bool, timeout: float, *, shield: bool = True) -> None:
+    async def pause(self, mode: str, clear_cache: bool, timeout: float, *, lease: float = 0.0,
+                    shield: bool = True) -> None:
         async def do() -> None:
             await self._pause(mode, clear_cache, timeout)
+            self._arm_lease(lease)
 
         await self.after_update(timeout)
         await self.run(f"pause (mode={mode})", do, timeout, shield=shield)
@@ -179,19 +193,69 @@ class ControlPlane:
         if self._supersede is not None:
             self._supersede.set()  # the last call wins: a draining mode=wait pause gives way to this resume
 
-        async def do() -> None:
-            bad = self.weights.inconsistent
-            if bad is not None:
-                # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
-                raise ApiError(409, f"{bad.message()} before resuming; /resume is refused until then.")
-            try:
-                await asyncio.wait_for(self.engine.resume(), ENGINE_CALL_TIMEOUT_S)
-            except TimeoutError:
-                raise ApiError(504, f"resume did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
-            self._paused(None)
-
         await self.after_update(wait)
-        await self.run("resume", do, wait, shield=shield)
+        await self.run("resume", self._resume, wait, shield=shield)
+
+    async def _resume(self) -> None:
+        bad = self.weights.inconsistent
+        if bad is not None:
+            # Never resume onto a mix of weight versions; the update that repairs them resumes if it paused.
+            raise ApiError(409, f"{bad.message()} before resuming; /resume is refused until then.")
+        try:
+            await asyncio.wait_for(self.engine.resume(), ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(504, f"resume did not finish within {ENGINE_CALL_TIMEOUT_S:g}s.") from None
+        self._paused(None)
+
+    def _arm_lease(self, lease: float) -> None:
+        """Start (or replace, or with 0 end) the lease of the pause just applied."""
+        self.end_lease()
+        self.lease = lease
+        self._lease_deadline = time.monotonic() + lease
+        if lease:
+            self._lease_task = asyncio.ensure_future(self._watch_lease())
+
+    def end_lease(self) -> None:
+        """No lease from now on (a resume, a pause without one, the server's shutdown)."""
+        self.lease = 0.0
+        if self._lease_task is not None:
+            # Safe at any point: the expiry's own transition runs shielded and checks the lease at its turn.
+            self._lease_task.cancel()
+            self._lease_task = None
+
+    async def _watch_lease(self) -> None:
+        while self.lease:
+            left = self._lease_deadline - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            if self.lock.locked():
+                async with self.lock:  # a transition is running: it renews the lease as it ends; look again then
+                    pass
+                continue
+            if self.weights.busy and not self.updates:
+                # An update outside the queue (vLLM's native start .. finish) is never cut either, as for /resume.
+                await self.weights.wait_idle(ENGINE_CALL_TIMEOUT_S)
+                continue
+            # In the queue like any other call, never in the middle of one; at its turn it checks again, since a
+            # call that slipped in first renewed the lease.
+            await self.run("resume (pause lease expired)", self._expire_lease, None)
+
+    async def _expire_lease(self) -> None:
+        if not self.lease or time.monotonic() < self._lease_deadline:
+            return
+        lease = self.lease
+        try:
+            await self._resume()
+        except ApiError as e:
+            self.lease = 0.0  # the watch ends: the pause stays until a /resume succeeds
+            metrics.PAUSE_LEASE_EXPIRED.labels("refused").inc()
+            log.error("pause lease of %gs expired with no control call since, but resuming was refused: %s",
+                      lease, e.message)
+            return
+        metrics.PAUSE_LEASE_EXPIRED.labels("resumed").inc()
+        log.warning("pause lease of %gs expired with no control call since (did the trainer die before its "
+                    "/resume?); generation resumed", lease)
 
     async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool, wait: float, *,
                                  shield: bool = True) -> bool:
@@ -210,6 +274,8 @@ class ControlPlane:
 
     def _paused(self, mode: str | None) -> None:
         self.paused_mode = mode
+        if mode is None:
+            self.end_lease()
         metrics.PAUSED.set(0 if mode is None else 1)
 
 

@@ -14,18 +14,22 @@ log = logging.getLogger("tito.control")
 
 
 async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeout: float, *,
-                           shield: bool = True) -> None:
+                           lease: float | None = None, shield: bool = True) -> None:
     """Pause (``mode``: abort, wait or keep the requests in flight), with the control plane's error answers.
+    ``lease``: seconds without a control call after which tito resumes by itself (None: ``--pause-lease``).
     ``shield=False`` only for a caller that is never cancelled (see ``ControlPlane.run``)."""
     state.check_engine()
+    if lease is None:
+        lease = state.settings.pause_lease
     try:
         # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
-        await state.control.pause(mode, clear_cache and mode != "keep", timeout, shield=shield)
+        await state.control.pause(mode, clear_cache and mode != "keep", timeout, lease=lease, shield=shield)
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
         raise state.engine_error(e, "pause", failed=f"Failed to pause generation: {e}") from None
-    log.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+    log.info("generation paused (mode=%s, clear_cache=%s%s)", mode, clear_cache,
+             f", lease={lease:g}s" if lease else "")
 
 
 async def resume_generation(state: AppState, timeout: float, *, shield: bool = True) -> None:

@@ -8,12 +8,16 @@ its in-flight requests finish, then abort what is left, shut the engine down and
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import logging
+import os
 import signal
 import ssl
+import sys
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
@@ -119,6 +123,19 @@ async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio
         await state.wait_idle(ABORT_GRACE_S)
     log.info("shutting down: %d request(s) finished during the drain, %d aborted (%.1fs)", finished, left,
              time.monotonic() - t0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End ``tito serve`` after its clean shutdown without Python's interpreter teardown. The atexit handlers run and
+    the logs are flushed, as on a normal exit; what is skipped is the module teardown, after which Triton's nanobind
+    bindings (imported by torch._dynamo, unused on a CPU) print ~30 lines of "nanobind: leaked ... instances/types/
+    functions": Triton objects still referenced when the interpreter finalizes, not a leak of this process."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 class _SkipPaths(logging.Filter):

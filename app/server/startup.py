@@ -108,6 +108,7 @@ async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     if state_dir is not None:
         state.weights.recorder = WeightRecord(state_dir, settings.model, volatile=[state.staging.root])
         await restore(state.weights, state.staging, state.weights.recorder)
+        _say_where_weights_came_from(state.weights.recorder, settings.model)
     for module in settings.vllm_args.get("lora_modules") or ():  # vLLM's --lora-modules: adapters served from start
         entry = await state.adapters.load(module.name, module.path, inplace=False, trusted=True)
         log.info("LoRA adapter %s loaded from %s (--lora-modules)", entry.name, entry.path)
@@ -154,3 +155,20 @@ def _fail(app: FastAPI, message: str, exc: BaseException) -> None:
     if request_exit is not None:
         log.error("exiting with code %d", START_FAILED)
         request_exit(START_FAILED)
+
+
+def _say_where_weights_came_from(recorder: WeightRecord, model: str) -> None:
+    """One line at start naming the weights served and where they came from: a restart restores the last committed
+    version (right for a fleet, a surprise on a laptop that expects --model's weights)."""
+    done = recorder.restored
+    if done is None:
+        if recorder.restore_error is None:
+            log.info("serving %s's own weights; weight updates committed from now on are recorded in %s and restored "
+                     "at the next start (--state-dir off: never)", model, recorder.dir)
+        return
+    src = done.get("weights") or {}
+    log.warning("serving weight version %s, restored from the weight record in %s (%s %s%s), not %s's own weights: "
+                "the last version committed before this restart; start with --state-dir off, or remove %s, to "
+                "serve --model's weights", done.get("weight_version"), recorder.dir, src.get("kind", "weights"),
+                src.get("dir", ""), f" + {done['deltas']} delta(s)" if done.get("deltas") else "", model,
+                recorder.path)

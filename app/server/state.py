@@ -294,6 +294,7 @@ class AppState:
             self.shutting_down = True
             self.ready = False
             DRAINING.set(1)
+            self.control.end_lease()  # no resume of its own while the server stops
 
     async def openai_layer(self) -> Any:
         """The engine adapter's OpenAI layer (app/engine/openai_layer.py), built once in a thread on first use: vLLM's
