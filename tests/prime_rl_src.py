@@ -1,0 +1,49 @@
+"""Prime-RL's own code from its source snapshot (the commit the tests use; never copied into tito), importable in the
+test process.
+
+``../shared/thirdparty/prime-rl`` beside the checkout (``TITO_PRIME_RL_SRC`` elsewhere); a test that needs it is
+skipped, saying so, when it is absent. Two stand-ins, each for an import the path the tests run never uses:
+
+- ``prime_rl.trainer.models``'s package ``__init__`` registers every Prime-RL model class and imports torchtitan; the
+  writer (``prime_rl.utils.weights``) needs only ``prime_rl.trainer.models.base``, so the package is entered without
+  its ``__init__``.
+- ``prime_rl.utils.client`` imports ``verifiers.v1`` for its data-plane client configs; the admin calls
+  (``setup_admin_clients``, ``update_weights``) never touch them, so an empty ``verifiers`` stands in when the real
+  package is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(os.environ.get("TITO_PRIME_RL_SRC", Path(__file__).resolve().parents[1].parent / "shared" / "thirdparty"
+                           / "prime-rl"))
+
+
+def use_prime_rl() -> None:
+    """Put the snapshot on sys.path (skip the test if it is absent), with the stand-ins above."""
+    src = ROOT / "src"
+    if not (src / "prime_rl").is_dir():
+        pytest.skip(f"Prime-RL's source snapshot is not at {ROOT} (set TITO_PRIME_RL_SRC)")
+    for p in (src, ROOT / "packages" / "prime-rl-configs" / "src"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    if "prime_rl.trainer.models" not in sys.modules:
+        pkg = types.ModuleType("prime_rl.trainer.models")
+        pkg.__path__ = [str(src / "prime_rl" / "trainer" / "models")]
+        sys.modules["prime_rl.trainer.models"] = pkg
+    if importlib.util.find_spec("verifiers") is None and "verifiers" not in sys.modules:
+        names = ["verifiers", "verifiers.v1", "verifiers.v1.configs", "verifiers.v1.configs.client"]
+        mods = {n: types.ModuleType(n) for n in names}
+        for n in names[:-1]:
+            mods[n].__path__ = []
+        client = mods["verifiers.v1.configs.client"]
+        client.EvalClientConfig = client.TrainClientConfig = type("UnusedOnTheAdminPath", (), {})  # type: ignore
+        mods["verifiers.v1"].ClientConfig = client.EvalClientConfig  # type: ignore[attr-defined]
+        sys.modules.update(mods)

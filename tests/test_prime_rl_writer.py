@@ -1,0 +1,231 @@
+"""Weights as Prime-RL's trainer writes them, applied through Prime-RL's own admin client, on a tied model (the head is
+the embedding, as the seed's Qwen3-0.6B) and an untied one.
+
+Each step is written by Prime-RL's filesystem writer, unchanged (``gather_weights_parallel`` →
+``convert_state_dict_to_hf`` → ``save_state_dict_parallel``, what ``FileSystemWeightBroadcast.broadcast_weights``
+runs), from a transformers model sharded with FSDP2 over a one-rank gloo group, as its trainer shards it (so the
+DTensors go out in bfloat16, as on GPUs). For a tied model the state dict names the shared tensor twice: the step
+holds ``lm_head.weight`` beside ``model.embed_tokens.weight``. Prime-RL's ``update_weights`` (pause, update, resume)
+applies it; each step's greedy tokens equal a transformers forward on that step's files (the suite's stand-in for a
+fresh engine on them).
+
+Engine: the tied model gets a server of its own (one start, ~20 CPU-seconds; 16 KV blocks); the untied steps run on
+the shared long-context server, put back at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+
+from app.tiny.model import TINY_CONFIG, make_tiny_model
+from tests.conftest import SharedServers, module_server, start_tito
+from tests.helpers import ServerProcess, free_port, restore_server
+from tests.prime_rl_src import use_prime_rl
+from tests.reference import Reference
+from tests.rl_steps import GEN, PROMPTS, greedy
+
+pytestmark = pytest.mark.engine
+
+STEPS = 3
+N = 8
+
+
+@module_server("tito-tied")
+def start_tied(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
+    model = make_tiny_model(tmp_path_factory.mktemp("tied-model") / "tiny-tied", tied=True)
+    return start_tito(tmp_path_factory, model, "--num-kv-blocks", "16", name="tito-tied")
+
+
+@pytest.fixture(scope="module")
+def tied_server(shared_servers: SharedServers) -> ServerProcess:
+    return shared_servers.get("tito-tied")
+
+
+@pytest.fixture(scope="module")
+def untied_server(long_tito: ServerProcess) -> Iterator[ServerProcess]:
+    yield long_tito
+    restore_server(long_tito.url)
+
+
+@pytest.fixture(scope="module")
+def trainer_group() -> Iterator[None]:
+    """The one-rank gloo group Prime-RL's writer runs its barriers and gathers in."""
+    import torch.distributed as dist
+
+    use_prime_rl()
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if mine:
+        dist.destroy_process_group()
+
+
+def trainer_model(model_dir: Path, step: int) -> torch.nn.Module:
+    """The served model's weights moved by ``step`` seeded steps, sharded with FSDP2 as Prime-RL's trainer shards it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():  # a tied pair is one parameter: moved once
+            for _ in range(step):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05 * (p.std() if p.numel() > 1 else 1.0))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return model
+
+
+def write_step(model: torch.nn.Module, step_dir: Path) -> None:
+    """What ``FileSystemWeightBroadcast.broadcast_weights`` runs for a full model, then its ``STABLE`` marker."""
+    from prime_rl.utils.weights import convert_state_dict_to_hf, gather_weights_parallel, save_state_dict_parallel
+
+    state_dict = gather_weights_parallel(model)
+    state_dict = convert_state_dict_to_hf(model, state_dict)
+    save_state_dict_parallel(state_dict, step_dir)
+    (step_dir / "STABLE").touch()
+
+
+def reference(step_dir: Path, config: dict, out: Path) -> list[list[int]]:
+    """transformers greedy on the step's own files, in float32 (the served dtype)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
+        sd = {k: f.get_tensor(k).float() for k in f.keys()}
+    if config.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight")
+    save_file(sd, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    ref = Reference(out)
+    return [ref.greedy(p, N)[0] for p in PROMPTS]
+
+
+def apply_with_prime_rl(url: str, step_dir: Path, step: int) -> None:
+    """Prime-RL's orchestrator's call for a full-model step: ``update_weights`` on its admin clients."""
+    from prime_rl.configs.shared import ClientConfig
+    from prime_rl.utils.client import setup_admin_clients, update_weights
+
+    async def run() -> None:
+        clients = setup_admin_clients(ClientConfig(base_url=f"{url}/v1"))
+        try:
+            await update_weights(clients, step_dir, step=step)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(run())
+
+
+def model_of(server: ServerProcess) -> Path:
+    return Path(server.cmd[server.cmd.index("--model") + 1])
+
+
+def run_steps(server: ServerProcess, tmp: Path) -> list[list[list[int]]]:
+    model_dir = model_of(server)
+    config = json.loads((model_dir / "config.json").read_text())
+    answers = []
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        base = greedy(c, PROMPTS, N)
+        for step in range(1, STEPS + 1):
+            step_dir = tmp / "broadcasts" / f"step_{step}"
+            write_step(trainer_model(model_dir, step), step_dir)
+            with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
+                names = set(f.keys())
+            assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+            apply_with_prime_rl(server.url, step_dir, step)
+            got = greedy(c, PROMPTS, N)
+            assert got == reference(step_dir, config, tmp / f"ref_{step}"), f"step {step}"
+            answers.append(got)
+        assert any(a != base for a in answers), "the steps never changed the greedy answer: the test proves nothing"
+    return answers
+
+
+def test_tied_model_takes_prime_rl_writer_steps(trainer_group, tied_server, tmp_path) -> None:
+    run_steps(tied_server, tmp_path)
+    # The answer says what it skipped: the head's copy, checked equal to the embedding.
+    step_dir = tmp_path / "broadcasts" / f"step_{STEPS}"
+    r = httpx.post(f"{tied_server.url}/update_weights", json={"weight_dir": str(step_dir), "weight_version": "again"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["skipped"] == ["lm_head.weight"]
+
+
+def test_tied_head_that_differs_is_refused(trainer_group, tied_server, tmp_path) -> None:
+    """A head that is not a copy of the embedding would be dropped silently by vLLM's loader: refused, naming it,
+    and the served weights stay as they were."""
+    from safetensors.torch import save_file
+
+    model_dir = model_of(tied_server)
+    step_dir = tmp_path / "step_1"
+    write_step(trainer_model(model_dir, 1), step_dir)
+    with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    sd["lm_head.weight"][3, 5] += 1
+    save_file(sd, str(step_dir / "model.safetensors"))
+    with httpx.Client(base_url=tied_server.url, timeout=120) as c:
+        before = greedy(c, PROMPTS, N)
+        r = c.post("/update_weights", json={"weight_dir": str(step_dir)})
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "'lm_head.weight' differs from 'model.embed_tokens.weight'" in msg and "tie_word_embeddings" in msg
+        assert greedy(c, PROMPTS, N) == before
+        r = c.post(GEN, json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 200
+
+
+def test_tied_model_takes_the_trainers_broadcast(tied_server, tmp_path) -> None:
+    """Prime-RL's broadcast wire (over gloo) of a tied model's state dict: the head's copy is checked and skipped."""
+    from app.tiny.model import tiny_state_dict
+    from tests.test_broadcast import Sender
+
+    port = free_port()
+    step_dir = tmp_path / "step_1"
+    sender = Sender(port, [(step_dir, 31)], tied=True)
+    tied_config = {**TINY_CONFIG, "tie_word_embeddings": True}
+    with httpx.Client(base_url=tied_server.url, timeout=300) as c:
+        try:
+            r = c.post("/init_broadcaster", json={"host": "127.0.0.1", "port": port, "rank_offset": 0,
+                                                  "inference_world_size": 1, "timeout": 240})
+            assert r.status_code == 200, r.text
+            (step_dir / "NCCL_READY").touch()
+            r = c.post("/update_weights", json={"weight_dir": str(step_dir)})
+            assert r.status_code == 200, r.text
+            assert r.json()["source"] == "broadcast" and r.json()["skipped"] == ["lm_head.weight"]
+            sd = tiny_state_dict(31, tied_config)
+            ref_dir = tmp_path / "ref"
+            ref_dir.mkdir()
+            from safetensors.torch import save_file
+
+            save_file(sd, str(ref_dir / "model.safetensors"))
+            (ref_dir / "config.json").write_text(json.dumps(tied_config))
+            ref = Reference(ref_dir)
+            assert greedy(c, PROMPTS, N) == [ref.greedy(p, N)[0] for p in PROMPTS]
+            assert "sent step_1" in sender.finish()
+        finally:
+            sender.kill()
+    restore_server(tied_server.url, drop_broadcaster=True)
+
+
+def test_untied_model_takes_prime_rl_writer_steps(trainer_group, untied_server, tmp_path) -> None:
+    assert json.loads((model_of(untied_server) / "config.json").read_text())["tie_word_embeddings"] is False
+    run_steps(untied_server, tmp_path)
+
+
+def test_tiny_tied_model_is_tied(tmp_path) -> None:
+    d = make_tiny_model(tmp_path / "m", tied=True, tokenizer=False)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert json.loads((d / "config.json").read_text()) == {**TINY_CONFIG, "tie_word_embeddings": True}
+    assert os.path.getsize(d / "model.safetensors") > 0
