@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from app.tiny.model import TINY_CONFIG, make_tiny_model
 from tests.conftest import SharedServers, module_server, start_tito
-from tests.helpers import ServerProcess, free_port, restore_server
+from tests.helpers import ServerProcess, free_port, metric_value, restore_server
 from tests.prime_rl_src import use_prime_rl
 from tests.reference import Reference
 from tests.rl_steps import GEN, PROMPTS, greedy
@@ -229,3 +229,50 @@ def test_tiny_tied_model_is_tied(tmp_path) -> None:
         assert "lm_head.weight" not in set(f.keys())
     assert json.loads((d / "config.json").read_text()) == {**TINY_CONFIG, "tie_word_embeddings": True}
     assert os.path.getsize(d / "model.safetensors") > 0
+
+
+def test_prefix_cache_follows_the_callers_pause(trainer_group, tied_server, tmp_path) -> None:
+    """Prime-RL's step (``/pause?mode=keep&clear_cache=false``, update, resume) keeps the prefix cache, as vLLM and
+    Prime-RL's server do: a rollout's next turn under its version's ``cache_salt`` reuses its prompt's KV instead of
+    prefilling it again, and another version's salt finds none. An update without such a pause (tito pauses
+    itself), or under a pause that clears the cache (vLLM's default), resets it: no old KV is served. Shown with the
+    engine's prefix-cache hit counter; the figure is the prefill saved per step."""
+    prompt = [(11 * i) % 500 + 3 for i in range(200)]
+
+    def turn(c: httpx.Client, salt: str) -> tuple[int, float]:
+        hits0 = metric_value(c.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0
+        r = c.post(GEN, json={"token_ids": prompt, "cache_salt": salt, "sampling_params": {"max_tokens": 1}})
+        assert r.status_code == 200, r.text
+        cached = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+        hits = (metric_value(c.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0) - hits0
+        assert hits == cached, (hits, cached)
+        return cached, hits
+
+    model_dir = model_of(tied_server)
+    steps = []
+    for k in (1, 2, 3):
+        steps.append(tmp_path / f"step_{k}")
+        write_step(trainer_model(model_dir, k), steps[-1])
+    with httpx.Client(base_url=tied_server.url, timeout=120) as c:
+        turn(c, "v0")
+        cached, _ = turn(c, "v0")
+        assert 0 < cached <= len(prompt) - 1
+        full = cached  # the block-aligned prefix the engine caches
+        # Prime-RL's step: the cache is kept, versions are kept apart by the salt.
+        apply_with_prime_rl(tied_server.url, steps[0], 1)
+        saved, _ = turn(c, "v0")
+        assert saved == full
+        assert turn(c, "v1")[0] == 0
+        print(f"prefill saved per Prime-RL step: {saved} of {len(prompt)} prompt tokens for each kept turn")
+        # No pause from the caller: tito pauses itself and resets the cache.
+        r = c.post("/update_weights", json={"weight_dir": str(steps[1])})
+        assert r.status_code == 200, r.text
+        assert turn(c, "v1")[0] == 0
+        turn(c, "v2")
+        # vLLM's default pause (clear_cache=true, ignored by keep itself): the update resets the cache.
+        assert c.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        try:
+            assert c.post("/update_weights", json={"weight_dir": str(steps[2])}).status_code == 200
+        finally:
+            assert c.post("/resume").json() == {"status": "resumed"}
+        assert turn(c, "v2")[0] == 0

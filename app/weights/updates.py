@@ -257,6 +257,9 @@ class WeightManager:
         self.last_outcome: UpdateOutcome | None = None
         self.broadcaster: dict[str, Any] | None = None
         self.inconsistent: Inconsistent | None = None
+        # The caller's pause asked to keep the prefix cache (``clear_cache=false``, Prime-RL's pause): an update under
+        # it keeps the cache too (``_after_load``).
+        self.keep_cache = False
         # vLLM's native transfer: an update open from /start_weight_update until /finish_weight_update.
         self.native_since: float | None = None
         self._native_done = asyncio.Event()
@@ -399,9 +402,7 @@ class WeightManager:
             self.origin = origin
             if self.recorder is not None:  # before generation resumes on these weights
                 self.recorder.committed(version, origin, source)
-            # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
-            if not await eng.reset_prefix_cache(reset_running_requests=True):
-                log.warning("prefix cache could not be fully reset after the weight update")
+            await self._after_load(paused_here)
             await self._recovered()
         except BaseException as e:
             metrics.WEIGHT_UPDATES.labels(source, "error").inc()
@@ -460,11 +461,19 @@ class WeightManager:
                     metrics.WEIGHT_VERSION.info({"version": version})
                 if self.recorder is not None:
                     self.recorder.committed(self.version, None, "native")
-                if not await self.engine.reset_prefix_cache(reset_running_requests=True):
-                    log.warning("prefix cache could not be fully reset after the weight update")
+                await self._after_load(False)
                 await self._recovered()
                 metrics.WEIGHT_UPDATES.labels("native", "ok").inc()
             return out
+
+    async def _after_load(self, paused_here: bool) -> None:
+        """The prefix cache after new weights: reset (kept requests are preempted and recompute their KV on the new
+        weights, no old KV is reused) unless the caller paused asking to keep it; then, as vLLM and Prime-RL's server
+        do, kept requests go on with their KV and the caller's per-version ``cache_salt`` keeps versions apart."""
+        if self.keep_cache and not paused_here:
+            log.info("prefix cache kept across the update (the caller's pause asked clear_cache=false)")
+        elif not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            log.warning("prefix cache could not be fully reset after the weight update")
 
     def relabel(self, version: str) -> None:
         """A new label for the weights being served (``/update_weight_version``)."""
