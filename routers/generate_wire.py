@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from app.engine.routed_experts import routed_experts_b64
+from app.engine.routed_experts import routed_experts_wire
 
 if TYPE_CHECKING:
     from app.engine.adapter import CompletionOutput
@@ -66,13 +66,16 @@ def spans(output: CompletionOutput) -> list[dict[str, Any]] | None:
     return [{"version": s.version, "start": s.start, "end": s.end} for s in wv]
 
 
-def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
+def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool,
+           experts: tuple[int, str] = (0, "prime-rl")) -> dict[str, Any]:
+    """One choice of an answer; ``experts``: the request's ``routed_experts_prompt_start`` and the server's
+    ``--routed-experts-format``."""
     return {
         "index": output.index,
         "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
         "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids),
-        "routed_experts": routed_experts_b64(getattr(output, "routed_experts", None)),
+        "routed_experts": routed_experts_wire(getattr(output, "routed_experts", None), *experts),
         "sampling_mask": None,
         "weight_versions": spans(output),
         "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)

@@ -38,7 +38,7 @@ def use_prime_rl() -> None:
         pkg = types.ModuleType("prime_rl.trainer.models")
         pkg.__path__ = [str(src / "prime_rl" / "trainer" / "models")]
         sys.modules["prime_rl.trainer.models"] = pkg
-    if importlib.util.find_spec("verifiers") is None and "verifiers" not in sys.modules:
+    if "verifiers" not in sys.modules and importlib.util.find_spec("verifiers") is None:
         names = ["verifiers", "verifiers.v1", "verifiers.v1.configs", "verifiers.v1.configs.client"]
         mods = {n: types.ModuleType(n) for n in names}
         for n in names[:-1]:
