@@ -37,12 +37,15 @@ pytestmark = pytest.mark.engine
 
 STEPS = 3
 N = 8
+SERVED = "Qwen/Qwen3-0.6B"  # the guide's model.name
 
 
 @module_server("tito-tied")
 def start_tied(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
     model = make_tiny_model(tmp_path_factory.mktemp("tied-model") / "tiny-tied", tied=True)
-    return start_tito(tmp_path_factory, model, "--num-kv-blocks", "16", name="tito-tied")
+    # Served as the Prime-RL guide says (docs/guides/prime-rl.md): the name Prime-RL's model check looks for.
+    return start_tito(tmp_path_factory, model, "--num-kv-blocks", "16", "--served-model-name", SERVED,
+                      name="tito-tied")
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +279,23 @@ def test_prefix_cache_follows_the_callers_pause(trainer_group, tied_server, tmp_
         finally:
             assert c.post("/resume").json() == {"status": "resumed"}
         assert turn(c, "v2")[0] == 0
+
+
+def test_prime_rl_model_check_passes_with_the_guides_start_command(trainer_group, tied_server) -> None:
+    """The guide starts tito with ``--served-model-name`` = Prime-RL's ``model.name``: Prime-RL's own startup check
+    (``maybe_check_has_model`` on every admin URL) passes; a name tito does not serve fails it."""
+    from prime_rl.configs.shared import ClientConfig
+    from prime_rl.utils.client import maybe_check_has_model, setup_admin_clients
+
+    async def check(name: str) -> None:
+        clients = setup_admin_clients(ClientConfig(base_url=f"{tied_server.url}/v1",
+                                                   admin_base_url=[f"{tied_server.url}/v1"]))
+        try:
+            await maybe_check_has_model(clients, name)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(check(SERVED))
+    with pytest.raises(ValueError, match="was not found in the inference pool"):
+        asyncio.run(check("Qwen/Qwen3-8B"))
