@@ -108,6 +108,11 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
 
 # ------------------------------------------------------------------------------------------ tied parameters
 
+def is_tied_head(module: Any) -> bool:
+    """vLLM's LM head (``ParallelLMHead``: the one layer with ``tie_weights``), the only module a reload re-ties."""
+    return callable(getattr(module, "tie_weights", None))
+
+
 def tied_parameters(model: Any) -> list[tuple[Any, str, Any, str]]:
     """``(module, name, owner, owner_name)`` for each parameter a module shares with an earlier one (a tied head
     shares the embedding's)."""
@@ -117,7 +122,7 @@ def tied_parameters(model: Any) -> list[tuple[Any, str, Any, str]]:
         for name, p in module._parameters.items():
             if p is None:
                 continue
-            if id(p) in first:
+            if id(p) in first and is_tied_head(module):
                 ties.append((module, name, *first[id(p)]))
             else:
                 first[id(p)] = (module, name)
@@ -208,7 +213,7 @@ def benign_layer_classes(model: Any) -> set[str]:
         params = [p for p in module._parameters.values() if p is not None]
         buffers = [n for n, b in module._buffers.items() if b is not None]
         ok = not params and bool(buffers) and all(b in NON_CHECKPOINT_BUFFERS for b in buffers)
-        ok = ok or (bool(params) and all(owners[id(p)] > 1 for p in params))
+        ok = ok or (is_tied_head(module) and bool(params) and all(owners[id(p)] > 1 for p in params))
         name = type(module).__name__
         verdict[name] = verdict.get(name, True) and ok
     return {n for n, ok in verdict.items() if ok}
