@@ -299,3 +299,47 @@ def test_prime_rl_model_check_passes_with_the_guides_start_command(trainer_group
     asyncio.run(check(SERVED))
     with pytest.raises(ValueError, match="was not found in the inference pool"):
         asyncio.run(check("Qwen/Qwen3-8B"))
+
+
+def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_path) -> None:
+    """A staged delta of a tied model's state dict changes ``lm_head.weight`` exactly as the embedding: accepted, the
+    head's record dropped, and the committed weights answer as transformers on them; a head record that differs from
+    the embedding's is refused at the stage, naming both."""
+    from safetensors.torch import save_file
+
+    from app.tiny.model import DEFAULT_SEED, tiny_state_dict
+    from tests.delta_encoder import perturb, write_delta
+
+    config = {**TINY_CONFIG, "tie_word_embeddings": True}
+
+    def with_head(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}
+
+    base = tiny_state_dict(DEFAULT_SEED, config)
+    target = perturb(base, 0.2, seed=5, scale=0.5)
+    with httpx.Client(base_url=tied_server.url, timeout=600) as c:
+        assert c.post("/reload_weights").status_code == 200
+        d = tmp_path / "step_1"
+        write_delta(d / "delta.safetensors", with_head(base), with_head(target))
+        r = c.post("/stage", data={"version": "d1", "mode": "delta", "base_version": "base", "path": str(d)})
+        assert r.status_code == 200, r.text
+        assert c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+        try:
+            r = c.post("/commit", data={"version": "d1", "mode": "delta"})
+            assert r.status_code == 200, r.text
+        finally:
+            assert c.post("/resume").json() == {"status": "resumed"}
+        ref_dir = tmp_path / "ref"
+        ref_dir.mkdir()
+        save_file(target, str(ref_dir / "model.safetensors"))
+        (ref_dir / "config.json").write_text(json.dumps(config))
+        ref = Reference(ref_dir)
+        assert greedy(c, PROMPTS, N) == [ref.greedy(p, N)[0] for p in PROMPTS]
+        bad = with_head(target)
+        bad["lm_head.weight"][0, 0] += 1.0
+        write_delta(tmp_path / "step_2" / "delta.safetensors", with_head(target), bad)
+        r = c.post("/stage", data={"version": "d2", "mode": "delta", "base_version": "d1",
+                                   "path": str(tmp_path / "step_2")})
+        assert r.status_code == 400, r.text
+        assert "'lm_head.weight' changes differently from 'model.embed_tokens.weight'" in r.text
+    restore_server(tied_server.url)
