@@ -191,7 +191,8 @@ async def serve_generate(state: AppState, scope: Scope, receive: Receive, out: O
                                else req.kv_transfer_params),
         "ec_transfer_params": None,
         "output_mode": "tokens",
-        "choices": [choice(o, num_lp, final=True) for o in sorted(final.outputs, key=lambda o: o.index)],
+        "choices": [choice(o, num_lp, final=True, experts=experts_form(state, req))
+                    for o in sorted(final.outputs, key=lambda o: o.index)],
     }
     data = orjson.dumps(answer)
     # Starlette's Response(media_type=JSON, headers={"X-Engine-Request-Id": ...}) headers, in its order.
@@ -244,12 +245,17 @@ async def _collect_or_disconnect(receive: Receive, gen: AsyncIterator[RequestOut
     return final
 
 
+def experts_form(state: AppState, req: GenerateRequest) -> tuple[int, str]:
+    """Where the routed experts' rows start (the request's ``routed_experts_prompt_start``) and their wire form."""
+    return int(req.sampling_params.routed_experts_prompt_start or 0), state.settings.routed_experts_format
+
+
 class _Stream:
     """One streamed answer: turns the engine's delta outputs into SSE events and sends them, and owns the request's
     in-flight slot (released exactly once, however the stream ends)."""
 
     __slots__ = ("state", "gen", "request_id", "engine_id", "prompt_len", "n", "num_lp", "include_usage", "continuous",
-                 "prompt_ids", "mm_placeholders", "started")
+                 "prompt_ids", "mm_placeholders", "started", "experts")
 
     def __init__(self, state: AppState, gen: AsyncIterator[RequestOutput], request_id: str, engine_id: str,
                  req: GenerateRequest, n: int, num_lp: int | None, return_ids: bool,
@@ -257,6 +263,7 @@ class _Stream:
         # request_id is what the client sees; engine_id the request's own id in the engine and in AppState.live.
         self.state, self.gen, self.request_id, self.engine_id = state, gen, request_id, engine_id
         self.prompt_len, self.n, self.num_lp = len(req.token_ids), n, num_lp
+        self.experts = experts_form(state, req)
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous = bool(self.include_usage and opts and opts.continuous_usage_stats)
@@ -330,7 +337,8 @@ class _Stream:
                                     + parts[1], "more_body": True})
                         continue
                     chunk: dict[str, Any] = {"request_id": request_id, "usage": None, "output_mode": "tokens",
-                                             "choices": [choice(out, num_lp, final=False)]}
+                                             "choices": [choice(out, num_lp, final=False,
+                                                                experts=self.experts)]}
                     if prompt_ids is not None:
                         chunk["prompt_token_ids"] = prompt_ids
                         prompt_ids = None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from app.engine.routed_experts import routed_experts_b64
+from app.engine.routed_experts import routed_experts_wire
 
 if TYPE_CHECKING:
     from app.engine.adapter import CompletionOutput
@@ -72,13 +72,16 @@ def sampling_mask(output: CompletionOutput) -> list[list[int]] | None:
     return None if mask is None else [list(ids) for ids in mask.token_ids]
 
 
-def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool) -> dict[str, Any]:
+def choice(output: CompletionOutput, num_logprobs: int | None, *, final: bool,
+           experts: tuple[int, str] = (0, "prime-rl")) -> dict[str, Any]:
+    """One choice of an answer; ``experts``: the request's ``routed_experts_prompt_start`` and the server's
+    ``--routed-experts-format``."""
     return {
         "index": output.index,
         "finish_reason": (output.finish_reason or "stop") if final else output.finish_reason,
         "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids),
-        "routed_experts": routed_experts_b64(getattr(output, "routed_experts", None)),
+        "routed_experts": routed_experts_wire(getattr(output, "routed_experts", None), *experts),
         "sampling_mask": sampling_mask(output),
         "weight_versions": spans(output),
         "logprobs": (logprobs_content(output.token_ids, output.logprobs, num_logprobs)

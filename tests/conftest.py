@@ -23,6 +23,9 @@ that uses it, one at a time, while the tests before it run (``SharedServers``); 
   which also serves gRPC; the SIGTERM test ends it after its last user.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server.
+- ``prime_tito``: started with the command line Prime-RL's own launcher builds (its defaults for a Qwen3 model:
+  processed logprobs, hermes tool calls, an fp32 LM head), on the tiny *tied* model, served as ``Qwen/Qwen3-0.6B``:
+  test_launchers.py, then test_prime_rl_writer.py (Prime-RL's trainer writer and admin client; updates its weights).
 
 A test that ends its server (SIGTERM, a killed engine) takes a shared one at the end of its life instead of starting
 its own: ``@pytest.mark.ends_server("<name>")`` runs it right after the last test using that server, and its
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from bisect import bisect_left
@@ -76,7 +80,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # (``-m "not engine"``) never starts an engine.
 ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lora_tito", "vllm_ref", "keyed_tito",
                              "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "grpc_a",
-                             "grpc_b", "reference"})
+                             "grpc_b", "reference", "prime_tito"})
 
 
 def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
@@ -371,7 +375,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 # The shared servers' names (``SharedServers``): a test uses one through the fixture of that name.
-_BUILTIN = ("tito", "long_tito", "lora_tito", "keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a")
+_BUILTIN = ("tito", "long_tito", "lora_tito", "keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a",
+            "prime_tito")
 
 
 def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) \
@@ -457,6 +462,19 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
 
         return start
 
+    def prime() -> ServerProcess:
+        from app.tiny.model import make_tiny_model
+        from tests.prime_rl_src import launcher_argv
+
+        model = make_tiny_model(tmp_path_factory.mktemp("tied-model") / "tiny-tied", tied=True)
+        port = free_port()
+        argv = [*launcher_argv(port, model), "--num-kv-blocks", "16", "--allowed-weight-root",
+                str(tmp_path_factory.getbasetemp())]
+        log = tmp_path_factory.mktemp("logs") / "prime-tito.log"
+        server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, log, env=engine_env(None))
+        server.launch_argv = argv  # type: ignore[attr-defined]
+        return server.start(timeout=timeout)
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -464,7 +482,7 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
     return {"tito": default, "long_tito": long, "lora_tito": lora, "keyed_tito": keyed, "fuzz_tito": fuzz,
-            "vllm_ref": vllm, "sidecar_a": sidecar_replica("sidecar-a", False),
+            "vllm_ref": vllm, "prime_tito": prime, "sidecar_a": sidecar_replica("sidecar-a", False),
             "sidecar_b": sidecar_replica("sidecar-b", True),
             # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free ports on loopback).
             "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0", "--block-size", str(GRPC_BLOCK),
@@ -489,6 +507,14 @@ def tito(shared_servers: SharedServers) -> ServerProcess:
 def long_tito(shared_servers: SharedServers) -> ServerProcess:
     """The shared long-context server (see the module docstring). Each module using it restores it at its end."""
     return shared_servers.get("long_tito")
+
+
+@pytest.fixture(scope="module")
+def prime_tito(shared_servers: SharedServers) -> ServerProcess:
+    """Prime-RL's launcher's own command line (its defaults for a Qwen3 model: processed logprobs, hermes tool calls,
+    an fp32 LM head) on the tiny tied model, as the seed's Qwen3-0.6B ties its head (test_launchers.py, then
+    test_prime_rl_writer.py, which updates its weights)."""
+    return shared_servers.get("prime_tito")
 
 
 @pytest.fixture(scope="module")

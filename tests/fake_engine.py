@@ -38,6 +38,7 @@ class FakeCompletion:
     stop_reason: int | str | None = None
     logprobs: Any = None
     weight_versions: Any = None
+    routed_experts: Any = None  # vLLM's capture: a [positions, moe_layers, top_k] array on finished outputs
 
 
 @dataclass
@@ -83,6 +84,7 @@ class FakeEngine(WorkerCalls):
     _delta_version: str | None = None  # the version the "workers' copy" holds
     delta_ready_after: int | None = None  # a staged delta is "made ready" after this many status looks (None: never)
     _pending: dict[str, Any] | None = None
+    routed_experts: Any = None  # what the "engine" captured for every finished output (--enable-return-routed-experts)
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -128,7 +130,8 @@ class FakeEngine(WorkerCalls):
             if reason == "abort":
                 yield FakeOutput(request_id, [FakeCompletion(i, [], "abort") for i in range(n)], prompt, finished=True)
             return
-        yield FakeOutput(request_id, [FakeCompletion(i, made[i], reason) for i in range(n)], prompt, finished=True)
+        yield FakeOutput(request_id, [FakeCompletion(i, made[i], reason, routed_experts=self.routed_experts)
+                                      for i in range(n)], prompt, finished=True)
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         self.aborted += [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -23,10 +23,10 @@ class Sender:
     """The trainer: ``python -m tests.weight_sender`` in its own process (rank 0, hosts the TCPStore)."""
 
     def __init__(self, port: int, steps: list[tuple[Path, int]], mode: str = "ok", timeout: float = 300.0,
-                 after: int = 2) -> None:
+                 after: int = 2, tied: bool = False) -> None:
         self.port = port
         cmd = [sys.executable, "-m", "tests.weight_sender", "--port", str(port), "--world-size", "2",
-               "--mode", mode, "--timeout", str(timeout), "--after", str(after)]
+               "--mode", mode, "--timeout", str(timeout), "--after", str(after), *(["--tied"] if tied else [])]
         for d, seed in steps:
             d.mkdir(parents=True, exist_ok=True)
             cmd += ["--step-dir", str(d), "--seed", str(seed)]

@@ -125,6 +125,31 @@ def test_max_tokens_omitted_fills_the_context(client):
     assert data["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_max_tokens_past_the_context_generates_to_its_end(client, vllm_ref, stream):
+    """A turn whose prompt + max_tokens passes the context (Prime-RL sends max_tokens on every turn of a growing
+    rollout) gets the tokens that fit and "length", as vLLM's own token API answers it; a prompt that alone fills the
+    context stays a 400 (tests/test_bad_input.py)."""
+    prompt = [(7 * i) % 500 + 3 for i in range(500)]
+    body = {"token_ids": prompt, "stream": stream,
+            "sampling_params": {"max_tokens": 100, "temperature": 0, "ignore_eos": True}}
+    answers = []
+    for url in (str(client.base_url), vllm_ref.url):
+        r = httpx.post(url.rstrip("/") + GEN, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [e for e in sse_events(r.text) if e != "[DONE]"]
+            ids = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+            finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        else:
+            choice = r.json()["choices"][0]
+            ids, finish = choice["token_ids"], [choice["finish_reason"]]
+        answers.append((ids, finish))
+    (ids, finish), ref = answers
+    assert len(ids) == 512 - 500 and finish == ["length"]
+    assert (ids, finish) == ref
+
+
 def test_request_id_header_overrides_body(client):
     data = _post(client, {"token_ids": [1, 2], "request_id": "body-id", "sampling_params": {"max_tokens": 1}})
     assert data["request_id"] == "generate-tokens-body-id"

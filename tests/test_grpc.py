@@ -73,6 +73,14 @@ def test_greedy_tokens_and_logprobs_match_http(grpc_a: Replica, stream: bool) ->
         assert got["prompt_lp"] == want
 
 
+def test_max_tokens_past_the_context_generates_to_its_end(grpc_a: Replica) -> None:
+    """As on HTTP (tests/test_generate.py): the tokens that fit, and "length"."""
+    ids = [(7 * i) % 500 + 3 for i in range(500)]
+    for stream in (False, True):
+        got = collect(grpc_a.stub().Generate(gen_request(ids, 100, stream=stream, ignore_eos=True)))
+        assert len(got["tokens"]) == 12 and got["finish"] == "length"
+
+
 def test_vllm_inference_prompt_logprobs_match_http(grpc_b: Replica) -> None:
     """vllm.Inference (the Dynamo sidecar's service) on the same port, on a replica without LoRA: the prompt's logprobs
     and ranks equal HTTP's (the LoRA sidecar replicas refuse prompt logprobs, test_sidecar_grpc.py)."""
@@ -101,7 +109,6 @@ BAD: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (case, proto fields, the HTTP body with the same meaning)
     ("out of vocabulary", {"ids": [1, 512]}, {"token_ids": [1, 512]}),
     ("prompt fills the context", {"ids": [1] * 512}, {"token_ids": [1] * 512}),
-    ("max_tokens beyond the context", {"max_tokens": 600}, {"sampling_params": {"max_tokens": 600}}),
     ("stop strings without a tokenizer", {"stop": ["a"]}, {"sampling_params": {"stop": ["a"]}}),
     ("logprobs above --max-logprobs", {"logprobs": 6}, {"sampling_params": {"logprobs": 6}}),
     ("stop id out of vocabulary", {"stop_token_ids": [9999]}, {"sampling_params": {"stop_token_ids": [9999]}}),

@@ -444,9 +444,10 @@ async def test_a_client_leaving_is_handled_alike(kind: str, lean: bool) -> None:
             assert moved == {"tito_requests_total" + route % 200: 1.0}
 
 
-def test_routed_experts_are_sent_as_vllms_token_api_sends_them() -> None:
-    """With --enable-return-routed-experts (GPU only) the engine's array goes out as vLLM's token API sends it: base64
-    of its ``.npy`` bytes; without it the field stays null."""
+def test_routed_experts_are_sent_as_vllms_token_api_sends_them_with_the_npy_format() -> None:
+    """With --enable-return-routed-experts (GPU only) and ``--routed-experts-format npy`` the engine's array goes out
+    as vLLM's token API sends it: base64 of its ``.npy`` bytes; without it the field stays null (the default, Prime-RL's
+    form: tests/test_routed_experts_wire.py)."""
     import base64
     import io
     from types import SimpleNamespace
@@ -459,8 +460,9 @@ def test_routed_experts_are_sent_as_vllms_token_api_sends_them() -> None:
     experts = np.arange(24, dtype=np.uint8).reshape(4, 2, 3)  # (tokens - 1, MoE layers, top k)
     out = SimpleNamespace(index=0, finish_reason="length", stop_reason=None, token_ids=[1, 2, 3, 4, 5],
                           weight_versions=None, logprobs=None, routed_experts=experts)
-    sent = choice(out, None, final=True)["routed_experts"]  # type: ignore[arg-type]
+    sent = choice(out, None, final=True, experts=(0, "npy"))["routed_experts"]  # type: ignore[arg-type]
     assert sent == numpy2base64(experts)
     assert np.array_equal(np.load(io.BytesIO(base64.b64decode(sent))), experts)
     out.routed_experts = None
+    assert choice(out, None, final=True, experts=(0, "npy"))["routed_experts"] is None  # type: ignore[arg-type]
     assert choice(out, None, final=True)["routed_experts"] is None  # type: ignore[arg-type]

@@ -20,18 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from app.engine.vllm_args import namespace_argv
-from tests.conftest import module_server, start_timeout
-from tests.helpers import ROOT, ServerProcess, engine_env, free_port
+from tests.conftest import start_timeout
+from tests.helpers import ServerProcess, engine_env, free_port
 from tests.logprob_modes import check_logprobs_mode
+from tests.prime_rl_src import PRIME_CONTEXT, PRIME_MODEL
 from tests.test_areal import areal_python
 
 pytestmark = pytest.mark.engine
 
-PRIME_RL = ROOT.parent / "shared" / "thirdparty" / "prime-rl"
-PRIME_PATH = os.pathsep.join(str(PRIME_RL / p) for p in ("src", "packages/prime-rl-configs/src"))
-PRIME_MODEL = "Qwen/Qwen3-0.6B"  # the name Prime-RL's launcher resolves its parsers from (hermes for Qwen3)
-CONTEXT = 512
 GEN = "/inference/v1/generate"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "strict": True, "description": "The weather in a city.",
@@ -39,43 +35,21 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 
 
-def prime_namespace(port: int) -> dict[str, Any]:
-    """Prime-RL's launcher namespace for a Qwen3 model at its defaults; only this machine's values are set."""
-    if not PRIME_RL.is_dir():
-        pytest.skip(f"Prime-RL's source snapshot is missing: {PRIME_RL}")
-    code = (
-        "import json, sys\n"
-        "from prime_rl.configs.inference import InferenceConfig\n"
-        f"c = InferenceConfig(server={{'port': {port}}}, vllm={{'model': {PRIME_MODEL!r}, 'dtype': 'float32', "
-        f"'max_model_len': {CONTEXT}, 'gpu_memory_utilization': 0.3}})\n"
-        "json.dump(vars(c.to_namespace()), sys.stdout)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": PRIME_PATH}, check=True)
-    return dict(json.loads(out.stdout))
-
-
-@module_server("prime-launch")
-def start_prime(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
-    port = free_port()
-    argv = namespace_argv(prime_namespace(port))
-    # No model hub here: the model's name is served from the tiny model's directory, under the same name.
-    at = argv.index("--model")
-    argv[at + 1:at + 2] = [str(tiny_model), "--served-model-name", PRIME_MODEL]
-    log = tmp_path_factory.mktemp("logs") / "prime-launch.log"
-    server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, log, env=engine_env(None))
-    server.launch_argv = argv  # type: ignore[attr-defined]
-    return server.start(timeout=start_timeout())
-
-
 @pytest.fixture(scope="module")
-def prime(shared_servers: Any) -> ServerProcess:
-    return shared_servers.get("prime-launch")
+def prime(prime_tito: ServerProcess) -> ServerProcess:
+    """The shared server started with Prime-RL's launcher's command line (tests/conftest.py ``prime_tito``), on the
+    tiny tied model; these tests run on its base weights, before test_prime_rl_writer.py updates them."""
+    return prime_tito
 
 
 @pytest.fixture(scope="module")
 def prime_client(prime: ServerProcess) -> Any:
     with httpx.Client(base_url=prime.url, timeout=120.0) as c:
         yield c
+
+
+def model_of(server: ServerProcess) -> str:
+    return server.cmd[server.cmd.index("--model") + 1]
 
 
 def test_prime_rl_launcher_defaults_are_taken(prime: ServerProcess, prime_client: httpx.Client) -> None:
@@ -94,15 +68,16 @@ def test_prime_rl_launcher_defaults_are_taken(prime: ServerProcess, prime_client
     assert config["model_config"]["logprobs_mode"] == "processed_logprobs"
     assert config["model_config"]["hf_overrides"] == {"head_dtype": "float32"}
     assert config["parallel_config"]["data_parallel_rpc_port"] == 13345
-    # Prime-RL's model check: /v1/models names the model it asked for.
+    # Prime-RL's model check: /v1/models names the model it asked for; the model ties its head, as Qwen3-0.6B.
     assert [m["id"] for m in prime_client.get("/v1/models").json()["data"]] == [PRIME_MODEL]
+    assert json.loads((Path(model_of(prime)) / "config.json").read_text())["tie_word_embeddings"] is True
     assert "fp32_router_logits: no MoE router in this model (Qwen3ForCausalLM)" in prime.log_text()
 
 
-def test_prime_rl_logprobs_are_processed(prime: ServerProcess, prime_client: httpx.Client, tiny_model: Path) -> None:
+def test_prime_rl_logprobs_are_processed(prime: ServerProcess, prime_client: httpx.Client) -> None:
     """`logprobs` under Prime-RL's launcher are the distribution sampled from: log_softmax of the logits after
     temperature and top-k (transformers on the same weights; an fp32 head on an fp32 model changes nothing else)."""
-    check_logprobs_mode(prime_client, str(tiny_model), "processed_logprobs", model=PRIME_MODEL)
+    check_logprobs_mode(prime_client, model_of(prime), "processed_logprobs", model=PRIME_MODEL)
 
 
 def test_default_logprobs_are_raw(tito_url: str, tiny_model: Path) -> None:
@@ -111,25 +86,36 @@ def test_default_logprobs_are_raw(tito_url: str, tiny_model: Path) -> None:
         check_logprobs_mode(c, str(tiny_model), "raw_logprobs")
 
 
-def _chat(client: httpx.Client, tool_choice: Any, max_tokens: int) -> dict[str, Any]:
+def _chat(client: httpx.Client, tool_choice: Any, max_tokens: int, model: str = PRIME_MODEL) -> dict[str, Any]:
     r = client.post("/v1/chat/completions", json={
-        "model": PRIME_MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
         "tools": [WEATHER], "tool_choice": tool_choice, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return dict(r.json()["choices"][0])
 
 
-def test_prime_rl_tool_calls(prime_client: httpx.Client) -> None:
-    """Tool calling as Prime-RL's launcher configures it (hermes, auto tool choice): `auto` is answered, and a named
-    function comes back as `tool_calls` whose arguments vLLM's structured outputs hold to the schema, even from a
-    random model."""
-    auto = _chat(prime_client, "auto", 8)
-    assert auto["finish_reason"] in ("length", "stop", "tool_calls")
-    named = _chat(prime_client, {"type": "function", "function": {"name": "get_weather"}}, 200)
-    calls = named["message"]["tool_calls"]
-    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", named
+def check_named_tool_call(client: httpx.Client, model: str) -> None:
+    """A named function comes back as `tool_calls` whose arguments vLLM's structured outputs hold to the schema, even
+    from a random model."""
+    named = _chat(client, {"type": "function", "function": {"name": "get_weather"}}, 200, model)
+    calls = named["message"].get("tool_calls")
+    assert calls and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", named
     args = json.loads(calls[0]["function"]["arguments"])
     assert set(args) == {"city"} and args["city"] in ("Paris", "Rome"), args
+
+
+def test_prime_rl_tool_calls(prime_client: httpx.Client, tito_url: str) -> None:
+    """Tool calling as Prime-RL's launcher configures it (hermes, auto tool choice): `auto` is answered, where a
+    server without the launcher's arguments answers 400. (The named call is checked on the AReaL launcher's untied
+    model, below: the tied random model repeats its last token, its logits being mostly its input's embedding, and
+    so fills a forced JSON with the whitespace JSON allows between tokens.)"""
+    auto = _chat(prime_client, "auto", 8)
+    assert auto["finish_reason"] in ("length", "stop", "tool_calls")
+    with httpx.Client(base_url=tito_url, timeout=60.0) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 4})
+        assert r.status_code == 400 and "--tool-call-parser" in r.text, r.text
 
 
 def test_areal_launcher(tmp_path: Path, tiny_model: Path) -> None:
@@ -143,15 +129,17 @@ def test_areal_launcher(tmp_path: Path, tiny_model: Path) -> None:
     code = (
         "import json, sys\n"
         "from areal.api.cli_args import vLLMConfig\n"
-        f"cfg = vLLMConfig(model={str(tiny_model)!r}, dtype='float32', max_model_len={CONTEXT}, "
+        f"cfg = vLLMConfig(model={str(tiny_model)!r}, dtype='float32', max_model_len={PRIME_CONTEXT}, "
         "gpu_memory_utilization=0.3, block_size=128)\n"
         f"json.dump(vLLMConfig.build_cmd(cfg, tp_size=1, pp_size=1, host='127.0.0.1', port={port}), sys.stdout)\n")
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, check=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     cmd = json.loads(out.stdout)
     assert cmd[:3] == ["python3", "-m", "areal.engine.vllm_ext.areal_vllm_server"], cmd
-    server = ServerProcess([sys.executable, "-m", "tito", "serve", *cmd[3:]], port, tmp_path / "areal-launch.log",
-                           env=engine_env(None))
+    # AReaL's config has no tool-call parser; an evaluation that calls tools adds vLLM's arguments to its command.
+    tools = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    server = ServerProcess([sys.executable, "-m", "tito", "serve", *cmd[3:], *tools], port,
+                           tmp_path / "areal-launch.log", env=engine_env(None))
     try:
         server.start(timeout=start_timeout())
         info = httpx.get(server.url + "/server_info", timeout=30).json()
@@ -164,5 +152,7 @@ def test_areal_launcher(tmp_path: Path, tiny_model: Path) -> None:
         r = httpx.post(server.url + GEN, json={"token_ids": [3, 1, 4], "sampling_params": {"max_tokens": 4,
                                                                                         "temperature": 0}}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
+        with httpx.Client(base_url=server.url, timeout=120.0) as c:
+            check_named_tool_call(c, str(tiny_model))
     finally:
         server.kill()

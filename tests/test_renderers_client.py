@@ -41,3 +41,41 @@ def test_vllm_032_shape_is_rejected_by_renderers(tito_url):
         entry.pop("bytes")
     with pytest.raises(MalformedGenerateResponseError, match="token must be 'token_id:"):
         _parse_completion_logprobs(vllm_shape["choices"][0], vllm_shape["choices"][0]["token_ids"])
+
+
+def test_a_rollouts_last_turn_past_the_context_end_gets_the_tokens_that_fit(tito_url):
+    """Two turns through renderers' own ``generate`` (its transport, pre-flight length check and parser), each turn's
+    prompt the last one's prompt and completion plus new tokens, ``max_tokens`` 100 on every turn as Prime-RL sends
+    it: the last turn (500-token prompt, 512-token context) gets the 12 tokens that fit and "length" (tito answered
+    400 there, which verifiers turns into an overlong-prompt error that ends the rollout). The renderer stands in for
+    a chat template only (the tiny model has none): ``prompt_ids`` are passed, as Prime-RL's multi-turn bridging
+    does."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai import AsyncOpenAI
+    from renderers.base import ParsedResponse
+    from renderers.client import generate
+
+    renderer = SimpleNamespace(get_stop_token_ids=lambda: [],
+                               parse_response=lambda ids, **_: ParsedResponse(content=""))
+    model = httpx.get(tito_url + "/v1/models").json()["data"][0]["id"]
+
+    async def rollout() -> list[dict]:
+        client = AsyncOpenAI(base_url=tito_url + "/v1", api_key="EMPTY", max_retries=0)
+        turns, prompt = [], [(13 * i) % 500 + 3 for i in range(300)]
+        try:
+            for new in (100, 100):
+                out = await generate(client=client, renderer=renderer, messages=[], model=model, prompt_ids=prompt,
+                                     sampling_params={"temperature": 0.0, "max_tokens": 100, "ignore_eos": True})
+                turns.append(out)
+                prompt = prompt + out["completion_ids"] + [(7 * i) % 500 + 3 for i in range(new)]
+        finally:
+            await client.close()
+        return turns
+
+    first, last = asyncio.run(rollout())
+    assert len(first["completion_ids"]) == 100 and first["finish_reason"] == "length"
+    assert len(last["prompt_ids"]) == 500
+    assert len(last["completion_ids"]) == 12 and last["finish_reason"] == "length"
+    assert len(last["completion_logprobs"]) == 12

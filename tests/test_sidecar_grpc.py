@@ -178,7 +178,6 @@ def _prompt_tokens(http: httpx.Client) -> float:
 @pytest.mark.parametrize("req, md, code", [
     (gen([5, 100000, 6], 4), None, INVALID),
     (gen([7] * 600, 4), None, INVALID),
-    (gen([1, 2, 3], 600), None, INVALID),
     (gen([1, 2, 3], 4, lora_name="no-such-adapter"), None, grpc.StatusCode.NOT_FOUND),
     (ipb.GenerateRequest(model="other-model", token_ids=ipb.TokenIds(ids=[1, 2])), None, grpc.StatusCode.NOT_FOUND),
     (ipb.GenerateRequest(text="Hello"), None, INVALID),
@@ -186,7 +185,7 @@ def _prompt_tokens(http: httpx.Client) -> float:
     (gen([1, 2, 3], 4), (("x-data-parallel-rank", "zero"),), INVALID),
     (gen([1, 2, 3], 4, logprobs=50), None, INVALID),
     (gen([1, 2, 3], 4, priority=3), None, INVALID),
-], ids=["out of vocabulary", "too long", "max_new_tokens past the context", "unknown adapter", "unknown model",
+], ids=["out of vocabulary", "too long", "unknown adapter", "unknown model",
         "text prompt", "dp rank out of range", "dp rank not a number", "too many logprobs", "priority under fcfs"])
 def test_bad_input_is_refused_before_the_engine(a: ServerProcess, http: httpx.Client, req: ipb.GenerateRequest,
                                                 md: Any, code: grpc.StatusCode) -> None:
@@ -211,8 +210,6 @@ SAME_WORDS: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any], str]
     ("logit_bias id out of vocabulary", {"logit_bias": {"99999": 1.0}}, {"logit_bias": {99999: 1.0}},
      {"decoding": ipb.DecodingParameters(logit_bias={99999: 1.0})}, "same"),
     ("priority under fcfs", {}, {}, {"priority": 3}, "same"),
-    ("max_tokens past the context", {"max_tokens": 600}, {"max_tokens": 600},
-     {"stopping": ipb.StoppingCriteria(max_new_tokens=600)}, "refused"),
     ("prompt past the context", {}, {}, {}, "refused"),
     ("structured outputs", {"structured_outputs": {"regex": "a+"}}, {"regex": "a+"},
      {"decoding": ipb.DecodingParameters(regex="a+")}, "served"),

@@ -36,7 +36,6 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("too many logit_bias entries", {"logit_bias": {1: 1.0, 2: 1.0, 3: 1.0}}),
     ("logit_bias id out of vocabulary", {"logit_bias": {600: 1.0}}),
     ("logit_bias not finite", {"logit_bias": {1: float("inf")}}),
-    ("max_tokens past the context", {"max_tokens": 63}),
     ("seed beyond 64 bits", {"seed": 2**70}),
     ("top_k beyond 64 bits", {"top_k": 2**64}),
 ]
@@ -70,6 +69,13 @@ def test_max_tokens_past_the_context_is_said_the_same_way_everywhere() -> None:
     # routes it is a guard: vLLM's handler refuses max_tokens above the context and clamps it to the room.)
     assert _openai({"max_tokens": 63}).message == \
         "prompt (2 tokens) + max_tokens (63) exceeds the model's maximum context length (64)."
+
+
+def test_max_tokens_past_the_context_is_the_engines_on_the_token_api() -> None:
+    """vLLM's token API (and Prime-RL's server) passes it on: the engine generates up to the context end and finishes
+    with "length" (tests/test_generate.py runs it); only a prompt that alone fills the context is refused."""
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 63}}
+    assert build_sampling_params(GenerateRequest.model_validate(body), LIMITS).max_tokens == 64 - len(PROMPT)
 
 
 def test_priority_and_prompt_rules_are_shared() -> None:

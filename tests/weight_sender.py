@@ -10,6 +10,7 @@ then one flat tensor per dtype. Non-layer weights first, then one state dict per
     --mode evil:  send a pickle that names os.system (tests the restricted unpickler)
     --mode die:   send the first --after state dicts of the update, then exit (a trainer that crashes mid-update)
     --mode stall-after: send the first --after state dicts, then nothing (a trainer that hangs mid-update)
+    --tied: a tied model's state dict (lm_head.weight, a copy of model.embed_tokens.weight)
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> int:
     p.add_argument("--mode", choices=("ok", "stall", "evil", "die", "stall-after"), default="ok")
     p.add_argument("--after", type=int, default=2, help="state dicts sent before die / stall-after")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--tied", action="store_true", help="a tied model: the state dict names the embedding twice, as "
+                   "lm_head.weight too (as a tied model's state_dict() does)")
     a = p.parse_args()
     pg: Any = stateless_init_torch_distributed_process_group(a.host, a.port, 0, a.world_size, "gloo",
                                                              timeout=timedelta(seconds=a.timeout))
@@ -103,6 +106,8 @@ def main() -> int:
             _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             return 0
         sd = tiny_state_dict(a.seed[i])
+        if a.tied:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
         # A non-parameter buffer in a second dtype, as HF checkpoints of older trainers carry: must be skipped.
         sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.arange(32, dtype=torch.float64)
         if a.mode in ("die", "stall-after"):

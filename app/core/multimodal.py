@@ -304,17 +304,13 @@ def normalize_features(token_ids: list[int], feats: Features, token_ids_by_modal
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The expanded prompt must leave room to generate; returns the max_tokens to use (all the room if unset)."""
+    """The expanded prompt must leave room to generate; returns the max_tokens to use (all the room if unset). A
+    max_tokens past the context end is the token API's: the engine generates up to the end ("length")."""
     room = max_model_len - prompt_len
     if room < 1:
         raise bad_request(f"Input length ({prompt_len}, after expanding media) exceeds model's maximum context "
                           f"length ({max_model_len}): no room left to generate a token.", "token_ids")
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise bad_request(f"prompt ({prompt_len} tokens after expanding media) + max_tokens ({max_tokens}) exceeds "
-                          f"the model's maximum context length ({max_model_len}).", "sampling_params.max_tokens")
-    return max_tokens
+    return room if max_tokens is None else max_tokens
 
 
 async def multimodal_prompt(state: Any, req: Any, params: Any, cache_salt: str | None) -> MultimodalPrompt | None:

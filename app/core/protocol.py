@@ -252,7 +252,7 @@ class GenerateChoice(BaseModel):
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None = None
+    routed_experts: dict[str, Any] | str | None = None  # --routed-experts-format: Prime-RL's dict, or vLLM's .npy
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[WeightVersionSpan] | None = None
     logprobs: LogProbs | None = None

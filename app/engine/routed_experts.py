@@ -18,6 +18,34 @@ def routed_experts_b64(experts: Any) -> str | None:
     return str(numpy2base64(experts))
 
 
+def routed_experts_compact(experts: Any, start: int = 0) -> dict[str, Any] | None:
+    """Prime-RL's form (its server's ``serialize_routed_experts``, what its ``renderers``/``verifiers`` decode):
+    ``{"data", "shape", "start", "dtype"}``: the ``[positions, moe_layers, top_k]`` ids as uint8 (uint16 past 255
+    experts), C-order raw bytes in base64, ``data`` first (the client splices it out before parsing the JSON);
+    ``start``: the request's ``routed_experts_prompt_start``, the position of the first row."""
+    if experts is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    array = np.asarray(experts)
+    if array.ndim != 3 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"routed experts must be a 3-D integer array, got {array.dtype} {array.shape}")
+    top = int(array.max()) if array.size else 0
+    if array.size and (int(array.min()) < 0 or top > np.iinfo(np.uint16).max):
+        raise ValueError(f"routed expert ids out of range [0, 65535]: {int(array.min())}..{top}")
+    dtype = np.uint8 if top <= np.iinfo(np.uint8).max else np.uint16
+    compact = np.ascontiguousarray(array.astype(dtype, copy=False))
+    return {"data": base64.b64encode(compact.tobytes()).decode("ascii"), "shape": list(compact.shape),
+            "start": int(start), "dtype": np.dtype(dtype).name}
+
+
+def routed_experts_wire(experts: Any, start: int, form: str) -> Any:
+    """``--routed-experts-format``: ``prime-rl`` (``routed_experts_compact``) or ``npy`` (vLLM's own)."""
+    return routed_experts_b64(experts) if form == "npy" else routed_experts_compact(experts, start)
+
+
 def routed_experts_refusal(settings: Settings) -> str:
     """Why this platform cannot serve ``--enable-return-routed-experts`` ("" when it can or the flag is off)."""
     if not settings.enable_return_routed_experts:

@@ -123,13 +123,15 @@ def _check_logprobs(value: int | None, limits: Limits, param: str) -> None:
 
 
 def check_sampling(p: Any, prompt_len: int, limits: Limits, *, prefix: str, priority: int,
-                   no_text: NoText | None) -> None:
+                   no_text: NoText | None, to_context_end: bool = False) -> None:
     """The one set of rules every transport holds sampling parameters to, before the engine sees them: the token
     API and both gRPC services (tito's wire params, before ``SamplingParams`` is built) and vLLM's OpenAI routes
     (the ``SamplingParams`` vLLM's handler built: the attribute names are the same). ``prefix`` names the params'
     place in the request (``sampling_params.`` on the token API); ``no_text``: who cannot serve stop strings, bad
     words and structured outputs here (None: served). vLLM's own checks (``SamplingParams._verify_args``: ranges,
-    finite floats) run at construction, on every route."""
+    finite floats) run at construction, on every route. ``to_context_end``: the token API's rule (vLLM's
+    ``/inference/v1/generate`` and Prime-RL's server): a ``max_tokens`` past the context end generates up to it and
+    finishes with "length", where the OpenAI routes refuse it."""
     if no_text is not None:
         if p.stop:
             raise refuse_stop_strings(no_text, prefix + "stop")
@@ -176,7 +178,7 @@ def check_sampling(p: Any, prompt_len: int, limits: Limits, *, prefix: str, prio
     if p.max_tokens is not None:
         if p.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {p.max_tokens}.", prefix + "max_tokens")
-        if p.max_tokens > limits.max_model_len - prompt_len:
+        if p.max_tokens > limits.max_model_len - prompt_len and not to_context_end:
             raise bad_request(
                 f"prompt ({prompt_len} tokens) + max_tokens ({p.max_tokens}) exceeds the model's maximum "
                 f"context length ({limits.max_model_len}).", prefix + "max_tokens")
@@ -211,10 +213,13 @@ def build_sampling_params(req: GenerateRequest, limits: Limits) -> SamplingParam
     if req.output_mode != "tokens":
         raise bad_request("output_mode='text' is not served by the token API (it answers token ids only, never "
                           f"detokenizing); use output_mode='tokens', or {_TEXT_ROUTE}.", "output_mode")
-    check_sampling(wire, len(req.token_ids), limits, prefix=sp, priority=req.priority, no_text=TOKEN_API)
+    check_sampling(wire, len(req.token_ids), limits, prefix=sp, priority=req.priority, no_text=TOKEN_API,
+                   to_context_end=True)
 
-    # vLLM's dataclass default of 16 silently truncates RL rollouts; fill the context instead.
-    max_tokens = wire.max_tokens if wire.max_tokens is not None else limits.max_model_len - len(req.token_ids)
+    # vLLM's dataclass default of 16 silently truncates RL rollouts; fill the context instead. Past the context end
+    # the engine stops there ("length") either way: bounded by the room, a huge max_tokens cannot overflow its wire.
+    room = limits.max_model_len - len(req.token_ids)
+    max_tokens = room if wire.max_tokens is None else min(wire.max_tokens, room)
     kwargs: dict[str, Any] = {k: getattr(wire, k) for k in _PASSTHROUGH if k in given and getattr(wire, k) is not None}
     kwargs["max_tokens"] = max_tokens
     kwargs["detokenize"] = False

@@ -61,12 +61,15 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset(partial)
         before = self.tito_buffer_digests()
+        ties = tied_parameters(self.model_runner.get_model())  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         except BaseException:
             self._tito_abandon_reload()
             raise
+        finally:
+            retie(ties)
         reload_s = time.perf_counter() - t0
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
@@ -102,6 +105,44 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
                 raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
+
+# ------------------------------------------------------------------------------------------ tied parameters
+
+def is_tied_head(module: Any) -> bool:
+    """vLLM's LM head (``ParallelLMHead``: the one layer with ``tie_weights``), the only module a reload re-ties."""
+    return callable(getattr(module, "tie_weights", None))
+
+
+def tied_parameters(model: Any) -> list[tuple[Any, str, Any, str]]:
+    """``(module, name, owner, owner_name)`` for each parameter a module shares with an earlier one (a tied head
+    shares the embedding's)."""
+    first: dict[int, tuple[Any, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first and is_tied_head(module):
+                ties.append((module, name, *first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return ties
+
+
+def retie(ties: list[tuple[Any, str, Any, str]]) -> None:
+    """vLLM's layerwise reload puts a tied head's old tensor and its processed form back (the head loads nothing:
+    the checkpoint's copy of it is skipped, as vLLM's loader skips it), so the head would keep serving the old
+    weights (on CPU through the GEMM handle built from them, ``dispatch_cpu_unquantized_gemm``): point it at the
+    embedding's tensor again and process it as a load does."""
+    for module in {id(m): m for m, *_ in ties}.values():
+        for name, p in list(module._parameters.items()):
+            for m, n, owner, owner_name in ties:
+                if m is module and n == name and p is not owner._parameters.get(owner_name):
+                    module._parameters[name] = owner._parameters[owner_name]
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
 
 # ------------------------------------------------------------------------------------------ reload report
 
@@ -159,12 +200,20 @@ def _digest_of(digests: dict[str, str]) -> str:
 
 
 def benign_layer_classes(model: Any) -> set[str]:
-    """Class names all of whose instances in ``model`` hold no parameter and only non-checkpoint buffers."""
+    """Class names all of whose instances in ``model`` hold no parameter and only non-checkpoint buffers, or only
+    parameters another module holds too (a tied head: its tensor loads through the embedding, and the checkpoint's
+    copy of it is skipped, app/weights/tied.py)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners[id(p)] = owners.get(id(p), 0) + 1
     verdict: dict[str, bool] = {}
     for module in model.modules():
-        params = [n for n, p in module._parameters.items() if p is not None]
+        params = [p for p in module._parameters.values() if p is not None]
         buffers = [n for n, b in module._buffers.items() if b is not None]
         ok = not params and bool(buffers) and all(b in NON_CHECKPOINT_BUFFERS for b in buffers)
+        ok = ok or (is_tied_head(module) and bool(params) and all(owners[id(p)] > 1 for p in params))
         name = type(module).__name__
         verdict[name] = verdict.get(name, True) and ok
     return {n for n, ok in verdict.items() if ok}

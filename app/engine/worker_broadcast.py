@@ -98,7 +98,8 @@ class BroadcastWorker:
             pass
         return True
 
-    def tito_receive_broadcast(self, expected: dict[str, list[int]], timeout: float | None = None) -> dict[str, Any]:
+    def tito_receive_broadcast(self, expected: dict[str, list[int]], timeout: float | None = None,
+                               tied_to: str | None = None) -> dict[str, Any]:
         """Receive one update (Prime-RL's wire: count, then per state dict: meta length, pickled meta, one flat
         tensor per dtype) and load each state dict as it arrives, so the device never holds a second copy of the
         weights (one state dict, a layer in Prime-RL's order, at most).
@@ -112,7 +113,7 @@ class BroadcastWorker:
         if b is None:
             raise ValueError(f"{UNTOUCHED}{CLIENT_ERROR}no broadcast group: call /init_broadcaster first.")
         self.tito_delta_reset()  # type: ignore[attr-defined]
-        rx = _Receiver(self, b, float(timeout or b.timeout), expected)
+        rx = _Receiver(self, b, float(timeout or b.timeout), expected, tied_to)
         t0 = time.perf_counter()
         try:
             n = rx.count()
@@ -129,17 +130,45 @@ class BroadcastWorker:
 
         kept = self._tito_reload(stream())  # type: ignore[attr-defined]
         return {"pid": os.getpid(), "bytes": rx.nbytes, "tensors": len(rx.seen), "state_dicts": n,
-                "seconds": time.perf_counter() - t0, **kept}
+                "seconds": time.perf_counter() - t0, "skipped": sorted(rx.tied_heads), **kept}
 
 
 class _Receiver:
     """Receives one broadcast update, state dict by state dict, checking each against the model's tensors."""
 
-    def __init__(self, worker: Any, b: Broadcaster, limit: float, expected: dict[str, list[int]]) -> None:
+    def __init__(self, worker: Any, b: Broadcaster, limit: float, expected: dict[str, list[int]],
+                 tied_to: str | None = None) -> None:
         self.worker, self.b, self.limit, self.expected = worker, b, limit, expected
         self.device = worker.device
         self.seen: set[str] = set()
         self.nbytes = 0
+        self.tied_to = tied_to if tied_to in expected else None
+        self.tied_heads: set[str] = set()
+        self._emb: Any = None  # a tied pair's first half, until the other arrives
+        self._heads: dict[str, Any] = {}
+
+    def is_tied_head(self, name: str) -> bool:
+        return self.tied_to is not None and name.endswith("lm_head.weight") and name not in self.expected
+
+    def _tied(self, out: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Check a tied head's copy against the embedding (the first to arrive waits for the other), drop it."""
+        import torch
+
+        for name, t in out:
+            if name == self.tied_to:
+                self._emb = t
+            elif self.is_tied_head(name):
+                self._heads[name] = t
+                self.tied_heads.add(name)
+        if self._emb is not None and self._heads:
+            emb = self._emb.to(torch.float64)
+            for head, t in self._heads.items():
+                if not torch.equal(t.to(torch.float64), emb):
+                    raise self._fail(ValueError(f"{CLIENT_ERROR}{head!r} differs from {self.tied_to!r}: the model "
+                                                "ties its head to the embedding (tie_word_embeddings), so the head "
+                                                "may come only as a copy of the embedding."))
+            self._emb, self._heads = None, {}
+        return [(n, t) for n, t in out if not self.is_tied_head(n)]
 
     def _fail(self, exc: Exception) -> Exception:
         # The group is unusable after a failed or abandoned collective: drop it (aborts an NCCL communicator).
@@ -182,7 +211,8 @@ class _Receiver:
         except (UnsafePickleError, ValueError, TypeError, EOFError, AttributeError) as e:
             raise self._fail(ValueError(f"{CLIENT_ERROR}state dict {i}: bad metadata: {e}")) from None
         try:
-            _check_part([(name, shape) for _, rows in meta for name, shape, _ in rows], self.expected, self.seen)
+            _check_part([(name, shape) for _, rows in meta for name, shape, _ in rows], self.expected, self.seen,
+                        self.tied_to)
         except ValueError as e:
             raise self._fail(e) from None
         out: list[tuple[str, Any]] = []
@@ -194,7 +224,7 @@ class _Receiver:
             for name, shape, numel in entries:
                 out.append((name, flat[off:off + numel].view(shape)))
                 off += numel
-        return out
+        return self._tied(out) if self.tied_to is not None else out
 
     def check_complete(self) -> None:
         missing = sorted(n for n in self.expected if n not in self.seen)
@@ -232,8 +262,13 @@ def _check_meta(meta: Any) -> list[tuple[Any, list[tuple[str, tuple[int, ...], i
     return out
 
 
-def _check_part(names: list[tuple[str, tuple[int, ...]]], expected: dict[str, list[int]], seen: set[str]) -> None:
-    """One state dict's names and shapes against the model's; ``seen`` collects names across the update."""
+def _check_part(names: list[tuple[str, tuple[int, ...]]], expected: dict[str, list[int]], seen: set[str],
+                tied_to: str | None = None) -> None:
+    """One state dict's names and shapes against the model's; ``seen`` collects names across the update; a tied
+    head's copy (``tied_to``: the embedding it is) must have the embedding's shape."""
+    if tied_to is not None:
+        expected = {**expected, **{n: expected[tied_to] for n, _ in names if n.endswith("lm_head.weight")
+                                   and n not in expected}}
     unknown = sorted(n for n, _ in names if n not in expected and not n.endswith(BUFFER_SUFFIXES))
     if unknown:
         raise ValueError(f"{CLIENT_ERROR}broadcast has {len(unknown)} tensor(s) the model lacks: {unknown[:8]}.")

@@ -41,9 +41,12 @@ class WorkerCalls:
         """Every worker joins the trainer's weight-broadcast group (Prime-RL's NCCL protocol; gloo on CPU)."""
         return await self.collective_rpc("tito_init_broadcaster", kwargs=kw)
 
-    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float) -> list[Any]:
-        """Receive one broadcast of state dicts from the trainer, validate it, and load it."""
-        return await self.collective_rpc("tito_receive_broadcast", kwargs={"expected": expected, "timeout": timeout})
+    async def receive_broadcast(self, expected: dict[str, list[int]], timeout: float,
+                                tied_to: str | None = None) -> list[Any]:
+        """Receive one broadcast of state dicts from the trainer, validate it, and load it (``tied_to``: the
+        embedding a tied model's head is, whose copy the trainer sends as ``lm_head.weight``)."""
+        return await self.collective_rpc("tito_receive_broadcast",
+                                         kwargs={"expected": expected, "timeout": timeout, "tied_to": tied_to})
 
     async def close_broadcaster(self) -> list[Any]:
         return await self.collective_rpc("tito_close_broadcaster")

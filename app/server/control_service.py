@@ -24,6 +24,7 @@ async def pause_generation(state: AppState, mode: str, clear_cache: bool, timeou
     try:
         # keep: vLLM keeps the frozen requests' KV, so clearing the cache does not apply (vLLM ignores it too).
         await state.control.pause(mode, clear_cache and mode != "keep", timeout, lease=lease, shield=shield)
+        state.weights.keep_cache = not clear_cache  # what the updates under this pause do with the prefix cache
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - reported in the envelope, never a bare 500
@@ -37,6 +38,7 @@ async def resume_generation(state: AppState, timeout: float, *, shield: bool = T
     try:
         # Resuming mid-load would generate from half-updated weights: a running update finishes first.
         await state.control.resume(timeout, shield=shield)
+        state.weights.keep_cache = False
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001

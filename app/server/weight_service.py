@@ -16,7 +16,8 @@ from app.core.protocol import ApiError
 from app.engine.adapter import on_cpu
 from app.server.state import AppState
 from app.weights.paths import resolve_allowed
-from app.weights.updates import UpdateOutcome, derive_version, scan_checkpoint, shielded_call, validate
+from app.weights.tied import check_checkpoint, tied_embedding
+from app.weights.updates import UpdateOutcome, derive_version, is_buffer, scan_checkpoint, shielded_call
 
 log = logging.getLogger("tito.weights")
 
@@ -60,16 +61,18 @@ async def disk_update(state: AppState, directory: Path, version: str | None, sou
     mgr = state.weights
     # Validate, then apply: only headers are read here, nothing touches the model before every check passed.
     ck = await asyncio.to_thread(scan_checkpoint, directory)
-    expected = await mgr.expected()
-    check = validate({k: v.shape for k, v in ck.tensors.items()}, {k: v.dtype for k, v in ck.tensors.items()},
-                     expected)
+    check = await asyncio.to_thread(check_checkpoint, ck, await mgr.expected(), mgr.model_dir)
     if check.cast:
         sample = ", ".join(f"{k} {a}->{b}" for k, (a, b) in list(check.cast.items())[:4])
         log.info("checkpoint %s: %d tensor(s) differ in dtype and are cast on load (%s)", directory,
                  len(check.cast), sample)
-    if check.skipped:
-        log.info("checkpoint %s: skipping %d non-parameter buffer(s): %s", directory, len(check.skipped),
-                 ", ".join(check.skipped[:4]))
+    buffers = [n for n in check.skipped if is_buffer(n)]
+    if buffers:
+        log.info("checkpoint %s: skipping %d non-parameter buffer(s): %s", directory, len(buffers),
+                 ", ".join(buffers[:4]))
+    if len(buffers) < len(check.skipped):
+        log.info("checkpoint %s: skipping %s, equal to the embedding the model ties its head to", directory,
+                 ", ".join(n for n in check.skipped if n not in buffers))
     key = f"disk:{directory}:{ck.fingerprint}" if idempotent else None
 
     async def work() -> UpdateOutcome:
@@ -82,7 +85,9 @@ async def disk_update(state: AppState, directory: Path, version: str | None, sou
         # What a staged delta builds on (app/weights/staging.py): these files, as they were when loaded.
         origin = {"kind": "base" if source == "reload" else "checkpoint", "dir": str(directory),
                   "files": [str(f) for f in ck.files], "fingerprint": ck.fingerprint}
-        return await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}", origin)
+        out = await mgr.apply(source, load, label, ck.total_bytes, f"loading weights from {directory}", origin)
+        out.skipped = check.skipped
+        return out
 
     # Under the control lock: pause/resume calls sent meanwhile run after the update, in order (app/server/control.py).
     return await mgr.run(key, state.control.guard(f"weight update ({source})", work), version)
@@ -153,6 +158,7 @@ async def broadcast_update(state: AppState, directory: Path | None, version: str
     wait = timeout or float(mgr.broadcaster["timeout"])
     expected = await mgr.expected()
     spec = {k: list(v.shape) for k, v in expected.items()}
+    tied_to = tied_embedding(mgr.model_dir, expected)
     # A retry of the same step joins the running receive or is a no-op after it: a second receive would hang.
     key = f"broadcast:{directory}" if directory is not None else None
 
@@ -163,7 +169,7 @@ async def broadcast_update(state: AppState, directory: Path | None, version: str
 
         async def load() -> list[Any]:
             try:
-                results.extend(await state.engine.receive_broadcast(spec, wait))
+                results.extend(await state.engine.receive_broadcast(spec, wait, tied_to))
             except Exception as e:
                 if "group was dropped" in str(e):
                     mgr.broadcaster = None
@@ -172,6 +178,7 @@ async def broadcast_update(state: AppState, directory: Path | None, version: str
 
         out = await mgr.apply("broadcast", load, label, 0, "receiving the weight broadcast")
         out.bytes = sum(int(r.get("bytes", 0)) for r in results if isinstance(r, dict))
+        out.skipped = sorted({str(n) for r in results if isinstance(r, dict) for n in r.get("skipped", ())})
         return out
 
     return await mgr.run(key, state.control.guard("weight update (broadcast)", work), version)

@@ -60,6 +60,8 @@ def tiny_state_dict(seed: int = DEFAULT_SEED, config: dict[str, Any] | None = No
         "model.norm.weight": norm(h),
         "lm_head.weight": rand(vocab, h, std=0.5),
     }
+    if cfg.get("tie_word_embeddings"):  # one tensor for both, saved once (as Hugging Face saves a tied model)
+        del sd["lm_head.weight"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = norm(h)
@@ -76,9 +78,11 @@ def tiny_state_dict(seed: int = DEFAULT_SEED, config: dict[str, Any] | None = No
     return sd
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = False, tokenizer: bool = True) -> Path:
+def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool = False, tokenizer: bool = True,
+                    tied: bool = False) -> Path:
     """Write config.json and model.safetensors for the tiny model into ``out_dir`` (and, with ``tokenizer``, the
-    tokenizer files and generation_config.json).
+    tokenizer files and generation_config.json). ``tied``: the head is the embedding (``tie_word_embeddings``, as
+    Qwen3-0.6B), and the checkpoint holds no ``lm_head.weight``.
 
     Returns the directory. An existing complete model is left alone unless ``force`` (a missing tokenizer is added).
     """
@@ -92,12 +96,13 @@ def make_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED, force: bool =
             write_tokenizer(out, TINY_CONFIG)
         return out
     out.mkdir(parents=True, exist_ok=True)
-    sd = tiny_state_dict(seed)
+    config = {**TINY_CONFIG, "tie_word_embeddings": tied}
+    sd = tiny_state_dict(seed, config)
     # Write to temporary names and rename, so an interrupted run never leaves a half model behind.
     tmp_weights = out / "model.safetensors.tmp"
     save_file(sd, str(tmp_weights), metadata={"format": "pt", "tito_seed": str(seed)})
     tmp_cfg = out / "config.json.tmp"
-    tmp_cfg.write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
+    tmp_cfg.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tmp_weights.replace(out / "model.safetensors")
     tmp_cfg.replace(out / "config.json")
     if tokenizer:

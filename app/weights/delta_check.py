@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from app.core.protocol import ApiError
-from app.engine.delta_format import DeltaFormatError, StreamWriter, check_against, iter_delta
+from app.engine.delta_format import DeltaFormatError, DeltaRecord, StreamWriter, check_against, iter_delta
 from app.engine.weight_markers import lower_priority
+from app.weights.tied import tied_heads
 from app.weights.updates import TensorInfo, is_buffer
 
 _PROCESS: ProcessPoolExecutor | None = None  # started on first use
@@ -53,21 +54,38 @@ async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
             from None
 
 
-def prepare_delta(artifact: Path, out: Path, expected: dict[str, TensorInfo]) -> tuple[int, int]:
-    """Read every record of the delta, check it against the active weights, write the prepared form. Blocking."""
+def _digest(rec: DeltaRecord) -> str:
+    import hashlib
+
+    return hashlib.sha256(rec.indices.numpy().tobytes() + rec.values.double().numpy().tobytes()).hexdigest()
+
+
+def prepare_delta(artifact: Path, out: Path, expected: dict[str, TensorInfo],
+                  tied_to: str | None = None) -> tuple[int, int]:
+    """Read every record of the delta, check it against the active weights, write the prepared form. Blocking.
+    ``tied_to``: the embedding a tied model's head is; a record for the head must change it exactly as the
+    embedding's record does (app/weights/tied.py), and is dropped."""
     tensors = elements = 0
+    tied: dict[str, str] = {}  # name -> digest of its record, for a tied head and its embedding
     try:
         with StreamWriter(out) as w:
             for rec in iter_delta(artifact):
                 info = expected.get(rec.name)
+                if rec.name == tied_to or (tied_to is not None and info is None and rec.name in tied_heads(
+                        [rec.name], expected, tied_to)):
+                    tied[rec.name] = _digest(rec)
                 if info is None:
-                    if is_buffer(rec.name):
+                    if is_buffer(rec.name) or rec.name in tied:
                         continue
                     raise DeltaFormatError(f"the model has no tensor {rec.name!r}.")
                 check_against(rec, info.shape, info.dtype)
                 w.write(rec)
                 tensors += 1
                 elements += rec.indices.numel()
+            for head in (n for n in tied if n != tied_to):
+                if tied[head] != tied.get(str(tied_to)):
+                    raise DeltaFormatError(f"{head!r} changes differently from {tied_to!r}: the model ties its head "
+                                           "to the embedding (tie_word_embeddings).")
     except BaseException:
         out.unlink(missing_ok=True)
         raise

@@ -13,7 +13,8 @@ from typing import Any
 from app.core.protocol import ApiError
 from app.weights.record import WeightRecord
 from app.weights.staging import StagingManager
-from app.weights.updates import UpdateOutcome, WeightManager, scan_checkpoint, validate
+from app.weights.tied import check_checkpoint
+from app.weights.updates import UpdateOutcome, WeightManager, scan_checkpoint
 
 log = logging.getLogger("tito.weights")
 
@@ -29,8 +30,7 @@ async def load_checkpoint_dir(weights: WeightManager, directory: Path, version: 
     if fingerprint is not None and ck.fingerprint != fingerprint:
         raise RestoreError(f"the checkpoint {directory} changed on disk since it was committed (files, sizes or "
                            "mtimes differ)")
-    check = validate({k: v.shape for k, v in ck.tensors.items()}, {k: v.dtype for k, v in ck.tensors.items()},
-                     await weights.expected())
+    check = await asyncio.to_thread(check_checkpoint, ck, await weights.expected(), weights.model_dir)
 
     async def load() -> list[Any]:
         return await weights.engine.load_checkpoint([str(f) for f in ck.files], check.skipped)

@@ -39,7 +39,8 @@ from app.core.protocol import ApiError
 from app.engine.delta_format import DeltaFormatError
 from app.weights.delta_check import in_process, prepare_delta
 from app.weights.stage_uploads import Uploads, background, remove_tree, safe_component, sha256_file
-from app.weights.updates import TensorInfo, UpdateOutcome, WeightManager, scan_checkpoint, validate
+from app.weights.tied import check_checkpoint, tied_embedding, tied_heads
+from app.weights.updates import TensorInfo, UpdateOutcome, WeightManager, scan_checkpoint
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
@@ -160,7 +161,10 @@ class StagingManager:
         if o.get("fingerprint") not in (None, ck.fingerprint):
             raise ApiError(409, f"the checkpoint the active weights were loaded from ({directory}) changed on disk "
                                 "since: stage a full version or POST /reload_weights first.")
-        return ck.tensors, [str(f) for f in ck.files]
+        # A tied head's copy (a trainer's checkpoint holds one) is no tensor of the model (app/weights/tied.py).
+        expected = await self.weights.expected()
+        heads = set(tied_heads(ck.tensors, expected, tied_embedding(self.weights.model_dir, expected)))
+        return {k: v for k, v in ck.tensors.items() if k not in heads}, [str(f) for f in ck.files]
 
     async def register(self, version: str, mode: str, base: str | None, artifact: Path, transport: str, source: str,
                        owned: Path | None, sha256: str | None = None) -> dict[str, Any]:
@@ -192,6 +196,7 @@ class StagingManager:
             prepared = out_dir / "prepared.stream"
             try:
                 n, elements = await in_process(prepare_delta, artifact, prepared, tensors,
+                                               tied_embedding(self.weights.model_dir, tensors),
                                                timeout=self.settings.stage_timeout)
             except DeltaFormatError as e:
                 raise ApiError(400, f"bad delta {source}: {e}", param="file" if transport != "path" else "path") \
@@ -249,7 +254,8 @@ class StagingManager:
         self._refuse_committing(version)
         try:
             ck = await asyncio.to_thread(scan_checkpoint, directory)
-            validate({k: v.shape for k, v in ck.tensors.items()}, None, await self.weights.expected())
+            await asyncio.to_thread(check_checkpoint, ck, await self.weights.expected(), self.weights.model_dir,
+                                    False)
             digest = sha256 or ck.fingerprint or ""
         except BaseException:
             if owned is not None:

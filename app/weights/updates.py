@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from app.core import metrics
 from app.core.protocol import ApiError
 from app.engine.weight_markers import BUFFER_SUFFIXES, CLIENT_ERROR, TIMEOUT_ERROR, UNTOUCHED
+from app.weights.reload_log import log_kept, reload_seconds
 from app.weights.safetensors_meta import HeaderError, read_tensors
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class Checkpoint:
 
 @dataclass
 class Validation:
-    skipped: list[str] = field(default_factory=list)  # buffers present in the checkpoint, not loaded
+    skipped: list[str] = field(default_factory=list)  # buffers and a tied head's checked copy (app/weights/tied.py)
     cast: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (checkpoint dtype, model dtype)
 
 
@@ -129,13 +130,14 @@ def _names(names: list[str], limit: int = 8) -> str:
 
 
 def validate(found: dict[str, tuple[int, ...]], found_dtypes: dict[str, str] | None,
-             expected: dict[str, TensorInfo], what: str = "checkpoint") -> Validation:
-    """Check tensor names and shapes against the served model's own checkpoint; raise a 400 naming the problem."""
+             expected: dict[str, TensorInfo], what: str = "checkpoint", tied: list[str] | None = None) -> Validation:
+    """Check names and shapes against the served model's own checkpoint (a 400 naming the problem); ``tied``: a tied
+    head's copies, checked equal to the embedding (app/weights/tied.py), skipped."""
     v = Validation()
     unknown: list[str] = []
     for name in found:
         if name not in expected:
-            (v.skipped if is_buffer(name) else unknown).append(name)
+            (v.skipped if is_buffer(name) or name in (tied or ()) else unknown).append(name)
     if unknown:
         raise bad(f"{what} has {len(unknown)} tensor(s) the model lacks: {_names(unknown)}.")
     missing = [n for n in expected if n not in found]
@@ -200,40 +202,15 @@ class UpdateOutcome:
     bytes: int
     noop: bool = False
     reload_seconds: float | None = None  # vLLM's own in-place reload inside the slowest worker (the rest is tito's)
+    skipped: list[str] = field(default_factory=list)  # names not loaded: buffers, a tied head's checked copy
 
     def body(self) -> dict[str, Any]:
         out = {"status": "ok", "weight_version": self.version, "source": self.source, "noop": self.noop,
-               "seconds": round(self.seconds, 4), "bytes": self.bytes}
+               "seconds": round(self.seconds, 4), "bytes": self.bytes,
+               **({"skipped": sorted(self.skipped)} if self.skipped else {})}
         if self.reload_seconds is not None:
             out["reload_seconds"] = round(self.reload_seconds, 4)
         return out
-
-
-def reload_seconds(results: list[Any] | None) -> float | None:
-    """The slowest worker's ``reload_seconds`` (vLLM's reload), if the workers reported one."""
-    times = [float(r["reload_seconds"]) for r in results or [] if isinstance(r, dict) and "reload_seconds" in r]
-    return max(times) if times else None
-
-
-def log_kept(results: list[Any] | None) -> None:
-    """One INFO line per update for what vLLM's reload kept as is: layers that hold only buffers no checkpoint has
-    (the rotary ``cos_sin_cache``), whose "Failed to load weights" warning the workers drop."""
-    rows = [r for r in results or [] if isinstance(r, dict) and "kept" in r]
-    if not rows:
-        return
-    kept: dict[str, int] = {}
-    for r in rows:
-        for layer, n in r["kept"].items():
-            kept[layer] = max(kept.get(layer, 0), int(n))
-    same = all(r.get("rotary_before") == r.get("rotary_after") for r in rows)
-    digests = sorted({str(r.get("rotary_after")) for r in rows})
-    what = ", ".join(f"{n} {layer}" for layer, n in sorted(kept.items())) or "nothing"
-    if same:
-        log.info("weights reloaded; kept as is (non-checkpoint buffers only): %s; rotary caches bit-identical "
-                 "before and after (%s)", what, ",".join(digests))
-    else:
-        log.warning("weights reloaded; kept as is: %s; rotary caches CHANGED during the reload (%s)", what,
-                    ", ".join(f"{r.get('rotary_before')}->{r.get('rotary_after')}" for r in rows))
 
 
 @dataclass(frozen=True)
@@ -280,6 +257,9 @@ class WeightManager:
         self.last_outcome: UpdateOutcome | None = None
         self.broadcaster: dict[str, Any] | None = None
         self.inconsistent: Inconsistent | None = None
+        # The caller's pause asked to keep the prefix cache (``clear_cache=false``, Prime-RL's pause): an update under
+        # it keeps the cache too (``_after_load``).
+        self.keep_cache = False
         # vLLM's native transfer: an update open from /start_weight_update until /finish_weight_update.
         self.native_since: float | None = None
         self._native_done = asyncio.Event()
@@ -422,9 +402,7 @@ class WeightManager:
             self.origin = origin
             if self.recorder is not None:  # before generation resumes on these weights
                 self.recorder.committed(version, origin, source)
-            # Kept (paused) requests are preempted and recompute their KV on the new weights; no old KV is reused.
-            if not await eng.reset_prefix_cache(reset_running_requests=True):
-                log.warning("prefix cache could not be fully reset after the weight update")
+            await self._after_load(paused_here)
             await self._recovered()
         except BaseException as e:
             metrics.WEIGHT_UPDATES.labels(source, "error").inc()
@@ -483,11 +461,19 @@ class WeightManager:
                     metrics.WEIGHT_VERSION.info({"version": version})
                 if self.recorder is not None:
                     self.recorder.committed(self.version, None, "native")
-                if not await self.engine.reset_prefix_cache(reset_running_requests=True):
-                    log.warning("prefix cache could not be fully reset after the weight update")
+                await self._after_load(False)
                 await self._recovered()
                 metrics.WEIGHT_UPDATES.labels("native", "ok").inc()
             return out
+
+    async def _after_load(self, paused_here: bool) -> None:
+        """The prefix cache after new weights: reset (kept requests are preempted and recompute their KV on the new
+        weights, no old KV is reused) unless the caller paused asking to keep it; then, as vLLM and Prime-RL's server
+        do, kept requests go on with their KV and the caller's per-version ``cache_salt`` keeps versions apart."""
+        if self.keep_cache and not paused_here:
+            log.info("prefix cache kept across the update (the caller's pause asked clear_cache=false)")
+        elif not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            log.warning("prefix cache could not be fully reset after the weight update")
 
     def relabel(self, version: str) -> None:
         """A new label for the weights being served (``/update_weight_version``)."""
