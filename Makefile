@@ -22,6 +22,7 @@ help:
 	@echo "make unit    - the fast tests only (no engine)"
 	@echo "make trainers - the venv of SkyRL's clients (TRAINERS_VENV=$(TRAINERS_VENV)) for tests/test_trainers.py"
 	@echo "make bench   - benchmark tito vs the engine in-process vs vLLM's own server (BENCH_ARGS=...), into results/"
+	@echo "               BASE=<commit or checkout>: the working tree against it in the same run (A/B, rounds alternated)"
 
 # Installs go through uv (scripts/uv_pip.py: the sources and constraints pip is configured with): from nothing, the
 # test venv takes ~75 s instead of pip's ~250 s. UV_PIP <venv python> install|uninstall ...
@@ -129,8 +130,9 @@ test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL)/config.json
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
+# BASE=<commit or checkout>: also that tree's tito, its server started from its own tree, in the same rounds.
 bench: $(VENV)/.installed-test $(MODEL)/config.json
-	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 
 clean:
