@@ -2,7 +2,7 @@
 frontend → Dynamo's vLLM sidecar → tito's ``vllm.Inference`` (gRPC) on the same replica.
 
     python scripts/bench_dynamo.py --model models/tiny-qwen3 [--requests 200] [--clients 1,8] [--max-tokens 16]
-        [--rounds 2] [--vllm-bench]
+        [--rounds 2] [--vllm-bench] [--tito-args="--stream-interval 4"]
 
 Starts one tito (``--grpc-port``), Dynamo's vLLM sidecar by hand (``python -m dynamo.vllm.sidecar``) and Dynamo's
 frontend (file discovery in a temporary directory, everything on loopback), then drives closed-loop clients in
@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -180,6 +181,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every path")
     ap.add_argument("--vllm-bench", action="store_true", help="also vLLM's own client (vllm bench serve)")
+    ap.add_argument("--tito-args", default="", help="extra flags for tito, e.g. --tito-args='--stream-interval 4'")
     ns = ap.parse_args()
     if not (Path(ns.model) / "tokenizer.json").is_file():
         print(f"{ns.model} has no tokenizer: run tito make-tiny-model {ns.model}", file=sys.stderr)
@@ -194,7 +196,8 @@ def main() -> int:
     try:
         port, grpc_port, fport = free_port(), free_port(), free_port()
         tito = Proc([sys.executable, "-m", "tito", "serve", "--model", ns.model, "--served-model-name", "tiny",
-                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32"],
+                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32",
+                     *shlex.split(ns.tito_args)],
                     f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
         procs.append(tito)
         tito.wait(900)
@@ -239,7 +242,7 @@ def main() -> int:
         for p in reversed(procs):
             p.stop()
     print(f"\n{ns.max_tokens} new tokens per request, 32-token prompt, {ns.requests} requests per path and round, "
-          f"{ns.rounds} alternating rounds, {os.cpu_count()} cores")
+          f"{ns.rounds} alternating rounds, {os.cpu_count()} cores, tito's flags: {ns.tito_args or 'defaults'}")
     print("| clients | path | p50 ms | p99 ms | added p50 ms | tokens/s | tokens/s vs direct (min / median / max) "
           "| frontend CPU ms/req | sidecar CPU ms/req | tito CPU ms/req | tito CPU vs direct (min / median / max) "
           "| errors |")
