@@ -56,7 +56,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -68,6 +67,7 @@ for p in (ROOT, ROOT / "scripts"):  # tito's code, and the load generator and re
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from bench_base import alternate, base_tree, from_checkout  # noqa: E402
 from bench_report import build_summary, print_table, write_chart  # noqa: E402
 from loadgen import CLIENTS, Workload, closed_loop, process_cpu_s, request_spec, sampling, with_cpu  # noqa: E402
 
@@ -303,31 +303,6 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     return results
 
 
-def from_checkout(cmd: list[str], base: str) -> list[str]:
-    """``tito_cmd``'s command importing tito from the checkout ``base`` instead of this one (whose command lives in
-    ``tito.cli``, or ``app.cli`` in checkouts before the composition root moved out of ``app``)."""
-    return [cmd[0], "-c", f"import sys\nsys.path.insert(0, {base!r})\ntry:\n    from tito.cli import main\n"
-                          "except ImportError:\n    from app.cli import main\nraise SystemExit(main())", *cmd[3:]]
-
-
-def base_tree(base: str) -> tuple[str, str | None]:
-    """``--base``: a checkout directory as it is, or a commit of this repository exported (``git archive``: no
-    worktree or ref is made) into a temporary directory, returned second so the caller removes it."""
-    if Path(base).is_dir():
-        return str(Path(base).resolve()), None
-    commit = subprocess.run(["git", "rev-parse", "--verify", f"{base}^{{commit}}"], cwd=ROOT, capture_output=True,
-                            text=True)
-    if commit.returncode != 0:
-        raise SystemExit(f"--base {base!r} is neither a directory nor a commit of {ROOT}")
-    tmp = tempfile.mkdtemp(prefix="tito-base-")
-    archive = subprocess.Popen(["git", "archive", commit.stdout.strip()], cwd=ROOT, stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", tmp], stdin=archive.stdout, check=True)
-    if archive.wait() != 0:
-        raise SystemExit(f"git archive {base} failed")
-    print(f"base: {base} = {commit.stdout.strip()[:12]}, exported to {tmp}", file=sys.stderr, flush=True)
-    return tmp, tmp
-
-
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
                client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None,
                base: str | None = None) -> dict[str, Any]:
@@ -375,14 +350,6 @@ def _drive(url: str, pid: int, workloads: list[Workload], logs: Path, timeout: f
     results["memory"] = rss.result()
     return results
 
-
-
-def alternate(systems: list[str], r: int) -> list[str]:
-    """The round's order: tito and base swap places every other round, so neither always runs first."""
-    if r % 2 == 0 or not {"tito", "base"} <= set(systems):
-        return systems
-    swap = {"tito": "base", "base": "tito"}
-    return [swap.get(x, x) for x in systems]
 
 
 def run_round(r: int, ns: argparse.Namespace, systems: list[str], model: str, workloads: list[Workload],
