@@ -30,6 +30,7 @@ help:
 	@echo "make areal   - the venv of AReaL's clients (AREAL_VENV=$(AREAL_VENV)) for tests/test_areal.py"
 	@echo "make bench   - scripts/bench.py (tito vs the engine in-process vs vLLM's own server, BENCH_ARGS=...), then"
 	@echo "               scripts/bench_weights.py (weight updates vs vLLM's reload; takes no BENCH_ARGS), into results/"
+	@echo "               BASE=<commit or checkout>: the working tree against it in the same run (A/B, rounds alternated)"
 	@echo "make clean   - remove the venv, models/, results/, site/ and the caches"
 
 # Installs go through uv (scripts/uv_pip.py: the sources and constraints pip is configured with): from nothing, the
@@ -156,8 +157,9 @@ test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL_READY)
 
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
+# BASE=<commit or checkout>: also that tree's tito, its server started from its own tree, in the same rounds.
 bench: $(VENV)/.installed-test $(MODEL_READY)
-	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 
 clean:

@@ -6,7 +6,10 @@ share the CPU), and driven through the same workloads:
 
     inprocess  vLLM's AsyncLLM in one process, no HTTP (the ceiling)
     tito       ``python -m tito serve``
-    base       tito from another checkout (``--base DIR``, e.g. main's): a change against its base, in one run
+    base       tito from another checkout or commit (``--base DIR|COMMIT``, e.g. ``--base HEAD~1``): a change
+               against its base in one run, the two started from their own trees, in alternating order round by
+               round; the report adds each figure's spread (min / median / max over rounds) and the per-round
+               ratios of tito to base
     vllm       ``python -m vllm.entrypoints.openai.api_server --tokens-only``
     matched    inprocess again, beside a CPU burner as large as the CPU tito's HTTP layer and load generator took in
                the same round (per workload): the ceiling for any HTTP server on this machine. On a 2-core machine
@@ -36,6 +39,7 @@ the serving process and of the load generator), ``bench-<time>.json`` and ``benc
 to its engine processes, with tito's own share.
 
     python scripts/bench.py                          # 3 rounds, all systems, all workloads (make bench)
+    python scripts/bench.py --base main --rounds 5   # the working tree against main (make bench BASE=main)
     python scripts/bench.py --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
     ... --tito-url http://127.0.0.1:8000 --tito-pid 1234   # drive a tito already running (tests/test_bench_smoke.py)
 """
@@ -49,6 +53,7 @@ import os
 import platform
 import select
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -62,6 +67,7 @@ for p in (ROOT, ROOT / "scripts"):  # tito's code, and the load generator and re
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from bench_base import alternate, base_tree, from_checkout  # noqa: E402
 from bench_report import build_summary, print_table, write_chart  # noqa: E402
 from loadgen import CLIENTS, Workload, closed_loop, process_cpu_s, request_spec, sampling, with_cpu  # noqa: E402
 
@@ -297,13 +303,6 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     return results
 
 
-def from_checkout(cmd: list[str], base: str) -> list[str]:
-    """``tito_cmd``'s command importing tito from the checkout ``base`` instead of this one (whose command lives in
-    ``tito.cli``, or ``app.cli`` in checkouts before the composition root moved out of ``app``)."""
-    return [cmd[0], "-c", f"import sys\nsys.path.insert(0, {base!r})\ntry:\n    from tito.cli import main\n"
-                          "except ImportError:\n    from app.cli import main\nraise SystemExit(main())", *cmd[3:]]
-
-
 def run_server(system: str, model: str, workloads: list[Workload], logs: Path, timeout: float,
                client: str, tito_args: tuple[str, ...] = (), running: tuple[str, int] | None = None,
                base: str | None = None) -> dict[str, Any]:
@@ -353,12 +352,37 @@ def _drive(url: str, pid: int, workloads: list[Workload], logs: Path, timeout: f
 
 
 
+def run_round(r: int, ns: argparse.Namespace, systems: list[str], model: str, workloads: list[Workload],
+              logs: Path, out: Path, rounds: list[dict[str, Any]], base: str | None) -> dict[str, Any]:
+    this: dict[str, Any] = {}
+    for s in systems:
+        t0 = time.monotonic()
+        print(f"round {r + 1}/{ns.rounds}: {s} ...", file=sys.stderr, flush=True)
+        timeout = ns.start_timeout + 600.0
+        if s == "inprocess":
+            this[s] = run_inprocess(model, workloads, logs, timeout)
+        elif s == "matched":
+            burn = {wl.name: extra_cores(this["tito"][wl.name], this["inprocess"][wl.name]) for wl in workloads}
+            this[s] = run_inprocess(model, workloads, logs, timeout, burn)
+        else:
+            running = (ns.tito_url.rstrip("/"), ns.tito_pid) if s == "tito" and ns.tito_url else None
+            this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
+                                 tuple(shlex.split(ns.tito_args)), running, base)
+        # Every system's figures as soon as it is done: a later failure (a server that never starts) loses none.
+        (out / "bench-partial.json").write_text(json.dumps({"rounds": [*rounds, this]}, indent=1))
+        errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
+        print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
+              file=sys.stderr, flush=True)
+    return this
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="Model directory (default: models/tiny-qwen3, written if missing).")
     p.add_argument("--rounds", type=int, default=3, help="Rounds; every system starts fresh each round (default 3).")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of {','.join(SYSTEMS)}.")
+    p.add_argument("--systems", default=None,
+                   help=f"Comma-separated subset of {','.join(SYSTEMS)} (default: all; base only with --base).")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"Comma-separated subset of {','.join(WORKLOADS)}.")
     p.add_argument("--quick", action="store_true", help="A few requests per workload (smoke test, not a measurement).")
     p.add_argument("--out", default="results", help="Folder for bench.json / bench.png (default results/).")
@@ -373,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{MAX_MODEL_LEN}) instead of starting one each round; needs --tito-pid. For the smoke test, "
                         "which has one up: not a measurement (the server is not fresh, nor alone on the machine).")
     p.add_argument("--base", default=None,
-                   help="A checkout of tito (e.g. /work/main) served as the 'base' system, with --tito-args too.")
+                   help="A checkout of tito (e.g. /work/main) or a commit of this repository (e.g. main, HEAD~1), "
+                        "served as the 'base' system, with --tito-args too.")
     p.add_argument("--tito-pid", type=int, default=None,
                    help="The process id of the --tito-url server (its CPU and memory, and its engine's).")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
@@ -405,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(inprocess_main(model, [Workload(**w) for w in job["workloads"]], job["burn"])))
         return 0
 
-    systems = [s for s in ns.systems.split(",") if s]
+    systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x != "base" or ns.base)).split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:
         p.error(f"unknown system/workload: {', '.join(bad)}")
@@ -430,28 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
+    base, exported = base_tree(ns.base) if ns.base else (None, None)
     rounds: list[dict[str, Any]] = []
-    for r in range(ns.rounds):
-        this: dict[str, Any] = {}
-        for s in systems:
-            t0 = time.monotonic()
-            print(f"round {r + 1}/{ns.rounds}: {s} ...", file=sys.stderr, flush=True)
-            timeout = ns.start_timeout + 600.0
-            if s == "inprocess":
-                this[s] = run_inprocess(model, workloads, logs, timeout)
-            elif s == "matched":
-                burn = {wl.name: extra_cores(this["tito"][wl.name], this["inprocess"][wl.name]) for wl in workloads}
-                this[s] = run_inprocess(model, workloads, logs, timeout, burn)
-            else:
-                running = (ns.tito_url.rstrip("/"), ns.tito_pid) if s == "tito" and ns.tito_url else None
-                this[s] = run_server(s, model, workloads, logs, ns.start_timeout, ns.client,
-                                     tuple(shlex.split(ns.tito_args)), running, ns.base)
-            # Every system's figures as soon as it is done: a later failure (a server that never starts) loses none.
-            (out / "bench-partial.json").write_text(json.dumps({"rounds": [*rounds, this]}, indent=1))
-            errs = sum(v["errors"] for k, v in this[s].items() if isinstance(v, dict) and "errors" in v)
-            print(f"round {r + 1}/{ns.rounds}: {s} done in {time.monotonic() - t0:.0f}s, {errs} error(s)",
-                  file=sys.stderr, flush=True)
-        rounds.append(this)
+    try:
+        for r in range(ns.rounds):
+            rounds.append(run_round(r, ns, alternate(systems, r), model, workloads, logs, out, rounds, base))
+    finally:
+        if exported:
+            shutil.rmtree(exported, ignore_errors=True)
 
     summary = build_summary(rounds, systems, workloads)
     print_table(summary, systems, workloads, ns.rounds)
@@ -467,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     chart = write_chart(out / "bench.png", summary, systems, workloads)
     print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if chart else ""))
     total_errors = sum(v["errors"] for row in summary["workloads"].values() for k, v in row.items()
-                       if isinstance(v, dict)) + sum(summary["cold_errors"].values())
+                       if isinstance(v, dict) and "errors" in v) + sum(summary["cold_errors"].values())
     return 1 if total_errors else 0
 
 

@@ -2,23 +2,31 @@
 frontend → Dynamo's vLLM sidecar → tito's ``vllm.Inference`` (gRPC) on the same replica.
 
     python scripts/bench_dynamo.py --model models/tiny-qwen3 [--requests 200] [--clients 1,8] [--max-tokens 16]
+        [--rounds 2] [--vllm-bench] [--tito-args="--stream-interval 4"]
 
 Starts one tito (``--grpc-port``), Dynamo's vLLM sidecar by hand (``python -m dynamo.vllm.sidecar``) and Dynamo's
 frontend (file discovery in a temporary directory, everything on loopback), then drives closed-loop clients in
 alternating rounds: ``direct`` posts token ids to tito's ``/inference/v1/generate``; ``sidecar`` posts the same body
 to the frontend's ``/inference/v1/generate`` (Dynamo's token route: no tokenizing on the way in); ``completions``
 posts the same ids as a token prompt to the frontend's ``/v1/completions`` (text comes back: tito detokenizes for
-the sidecar). ``ignore_eos``: the same number of tokens out every time. Reports p50/p99 latency, req/s, the p50 the
-path adds, and the CPU per request of the frontend, the sidecar and tito's own process (from /proc: they move much
-less than latencies on a shared machine). Needs the ``dynamo`` extra and ``ai-dynamo`` (see docs/guides/dynamo.md).
+the sidecar), the seed's path; ``direct-completions`` the same body to tito's own ``/v1/completions``. ``ignore_eos``:
+the same number of tokens out every time. Reports p50/p99 latency, tokens/s, the p50 the path adds, the CPU per
+request of the frontend, the sidecar and tito's own process (from /proc: they move much less than latencies on a
+shared machine), and each path's tokens/s and tito CPU as ratios to the direct route of the same API taken in the
+same round (min / median / max over rounds: the spread tells a change from the machine's noise).
+``--vllm-bench`` adds vLLM's own benchmark client (``vllm bench serve``: random 32-token text prompts, streamed
+``/v1/completions``) on tito's route and on the frontend's, in alternating rounds. Needs the ``dynamo`` extra and
+``ai-dynamo`` (see docs/guides/dynamo.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -121,12 +129,48 @@ def measure(url: str, path: str, body: dict[str, Any], clients: int, requests: i
     return out
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(runs: list[dict[str, Any]], base: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """``runs`` of one path and ``base``, its direct route's runs of the same rounds: the ratios are per round."""
     lat = sorted(x for r in runs for x in r["lat"])
     keys = runs[0]["cpu_ms"].keys()
     return {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
-            "rps": len(lat) / sum(r["wall"] for r in runs), "errors": sum(r["errors"] for r in runs),
-            "cpu_ms": {k: statistics.median(r["cpu_ms"][k] for r in runs) for k in keys}}
+            "tok_s": tokens * len(lat) / sum(r["wall"] for r in runs), "errors": sum(r["errors"] for r in runs),
+            "cpu_ms": {k: statistics.median(r["cpu_ms"][k] for r in runs) for k in keys},
+            "tok_ratio": spread([len(r["lat"]) * b["wall"] / (len(b["lat"]) * r["wall"])
+                                 for r, b in zip(runs, base, strict=True)]),
+            "cpu_ratio": spread([r["cpu_ms"]["tito"] / b["cpu_ms"]["tito"] for r, b in zip(runs, base, strict=True)])}
+
+
+def spread(xs: list[float]) -> str:
+    """min / median / max, as the tables print them."""
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
+
+
+# vLLM's own benchmark client, in a child process (its results as one JSON line).
+VLLM_BENCH = ("import json, sys\n"
+              "from vllm.benchmarks.serve import add_cli_args, main\n"
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+              "p = FlexibleArgumentParser()\nadd_cli_args(p)\nr = main(p.parse_args(sys.argv[1:]))\n"
+              "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'output_throughput', "
+              "'median_ttft_ms', 'median_tpot_ms')}))\n")
+
+
+def vllm_bench(url: str, model: str, clients: int, requests: int, max_tokens: int, pids: dict[str, int],
+               env: dict[str, str]) -> dict[str, Any]:
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    cmd = [sys.executable, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--endpoint",
+           "/v1/completions", "--model", "tiny", "--tokenizer", model, "--dataset-name", "random",
+           "--random-input-len", "32", "--random-output-len", str(max_tokens), "--num-prompts", str(requests),
+           "--max-concurrency", str(clients), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+           "--num-warmups", str(clients)]
+    out = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1800)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vllm bench serve failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    res = json.loads(line[7:])
+    n = requests + clients
+    res["cpu_ms"] = {k: 1000 * (cpu_seconds(p) - before[k]) / n for k, p in pids.items()}
+    return res
 
 
 def main() -> int:
@@ -135,7 +179,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200, help="requests per path, client count and round")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (direct, sidecar, completions)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every path")
+    ap.add_argument("--vllm-bench", action="store_true", help="also vLLM's own client (vllm bench serve)")
+    ap.add_argument("--tito-args", default="", help="extra flags for tito, e.g. --tito-args='--stream-interval 4'")
     ns = ap.parse_args()
     if not (Path(ns.model) / "tokenizer.json").is_file():
         print(f"{ns.model} has no tokenizer: run tito make-tiny-model {ns.model}", file=sys.stderr)
@@ -150,7 +196,8 @@ def main() -> int:
     try:
         port, grpc_port, fport = free_port(), free_port(), free_port()
         tito = Proc([sys.executable, "-m", "tito", "serve", "--model", ns.model, "--served-model-name", "tiny",
-                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32"],
+                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32",
+                     *shlex.split(ns.tito_args)],
                     f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
         procs.append(tito)
         tito.wait(900)
@@ -174,29 +221,61 @@ def main() -> int:
         sp = {"max_tokens": ns.max_tokens, "temperature": 0.0, "ignore_eos": True}
         paths = {"direct": (tito.url, GEN, {"token_ids": ids, "sampling_params": sp}),
                  "sidecar": (fe.url, GEN, {"model": "tiny", "token_ids": ids, "sampling_params": sp}),
-                 "completions": (fe.url, "/v1/completions", {"model": "tiny", "prompt": ids, **sp})}
-        rows = []
+                 "completions": (fe.url, "/v1/completions", {"model": "tiny", "prompt": ids, **sp}),
+                 "direct-completions": (tito.url, "/v1/completions", {"model": "tiny", "prompt": ids, **sp})}
+        base_of = {"direct": "direct", "sidecar": "direct", "completions": "direct-completions",
+                   "direct-completions": "direct-completions"}
+        rows, vrows = [], []
         for clients in (int(c) for c in ns.clients.split(",")):
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in paths}
             for _ in range(ns.rounds):
                 for name, (url, path, body) in paths.items():
                     runs[name].append(measure(url, path, body, clients, ns.requests, pids))
-            rows.append((clients, {k: summary(v) for k, v in runs.items()}))
+            rows.append((clients, {k: summary(v, runs[base_of[k]], ns.max_tokens) for k, v in runs.items()}))
+            if ns.vllm_bench:
+                vruns: dict[str, list[dict[str, Any]]] = {"direct-completions": [], "completions": []}
+                for _ in range(ns.rounds):
+                    for name, url in (("direct-completions", tito.url), ("completions", fe.url)):
+                        vruns[name].append(vllm_bench(url, ns.model, clients, ns.requests, ns.max_tokens, pids, env))
+                vrows.append((clients, vruns))
     finally:
         for p in reversed(procs):
             p.stop()
     print(f"\n{ns.max_tokens} new tokens per request, 32-token prompt, {ns.requests} requests per path and round, "
-          f"{ns.rounds} alternating rounds, {os.cpu_count()} cores")
-    print("| clients | path | p50 ms | p99 ms | added p50 ms | req/s | frontend CPU ms/req | sidecar CPU ms/req "
-          "| tito CPU ms/req | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{ns.rounds} alternating rounds, {os.cpu_count()} cores, tito's flags: {ns.tito_args or 'defaults'}")
+    print("| clients | path | p50 ms | p99 ms | added p50 ms | tokens/s | tokens/s vs direct (min / median / max) "
+          "| frontend CPU ms/req | sidecar CPU ms/req | tito CPU ms/req | tito CPU vs direct (min / median / max) "
+          "| errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for clients, s in rows:
-        base = s["direct"]["p50_ms"]
         for name, r in s.items():
             c = r["cpu_ms"]
-            added = "" if name == "direct" else f"{r['p50_ms'] - base:+.2f}"
-            print(f"| {clients} | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added} | {r['rps']:.0f} | "
-                  f"{c['frontend']:.2f} | {c['sidecar']:.2f} | {c['tito']:.2f} | {r['errors']} |")
+            base = s[base_of[name]]
+            added = "" if base is r else f"{r['p50_ms'] - base['p50_ms']:+.2f}"
+            ratios = ("", "") if base is r else (r["tok_ratio"], r["cpu_ratio"])
+            print(f"| {clients} | {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added} | {r['tok_s']:.0f} | "
+                  f"{ratios[0]} | {c['frontend']:.2f} | {c['sidecar']:.2f} | {c['tito']:.2f} | {ratios[1]} | "
+                  f"{r['errors']} |")
+    if vrows:
+        print(f"\nvLLM's own client (vllm bench serve, random 32-token text prompts, streamed /v1/completions, "
+              f"{ns.max_tokens} tokens out, {ns.requests} prompts per path and round, {ns.rounds} alternating rounds)")
+        print("| clients | path | output tokens/s (median) | vs tito's route (min / median / max) | median TTFT ms "
+              "| median TPOT ms | frontend CPU ms/req | sidecar CPU ms/req | tito CPU ms/req "
+              "| tito CPU vs tito's route (min / median / max) | completed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for clients, vr in vrows:
+            for name, runs in vr.items():
+                base = vr["direct-completions"]
+                pairs = list(zip(runs, base, strict=True))
+                ratio = ("", "") if runs is base else (
+                    spread([r["output_throughput"] / b["output_throughput"] for r, b in pairs]),
+                    spread([r["cpu_ms"]["tito"] / b["cpu_ms"]["tito"] for r, b in pairs]))
+                med = {k: statistics.median(r[k] for r in runs) for k in ("output_throughput", "median_ttft_ms",
+                                                                          "median_tpot_ms")}
+                c = {k: statistics.median(r["cpu_ms"][k] for r in runs) for k in pids}
+                print(f"| {clients} | {name} | {med['output_throughput']:.0f} | {ratio[0]} | "
+                      f"{med['median_ttft_ms']:.1f} | {med['median_tpot_ms']:.2f} | {c['frontend']:.2f} | "
+                      f"{c['sidecar']:.2f} | {c['tito']:.2f} | {ratio[1]} | {sum(r['completed'] for r in runs)} |")
     return 0
 
 

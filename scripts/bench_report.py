@@ -16,6 +16,16 @@ def median_of(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> f
     return statistics.median(vals) if vals else None
 
 
+def spread_of(vals: list[float]) -> list[float] | None:
+    """[min, median, max] of one figure over rounds: how far the machine's noise moves it."""
+    return [min(vals), statistics.median(vals), max(vals)] if vals else None
+
+
+def per_round(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> list[float]:
+    return [r[system][wl][key] for r in rounds
+            if system in r and wl in r[system] and r[system][wl].get(key) is not None]
+
+
 def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: list[Workload]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for wl in workloads:
@@ -26,6 +36,10 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
                                "burned_cores")}
             row[s]["errors"] = sum(r[s][wl.name]["errors"] for r in rounds if s in r and wl.name in r[s])
         key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
+        for s in systems:
+            row[s]["spread"] = {k: spread_of(per_round(rounds, s, wl.name, k)) for k in (key, "cpu_ms_per_req")}
+        if {"tito", "base"} <= set(systems):
+            row["ab"] = ab_rounds(rounds, wl.name, key)
         for other in ("inprocess", "vllm", "matched"):
             if "tito" in row and other in row and row["tito"][key] and row[other][key]:
                 ratio = row["tito"][key] / row[other][key]
@@ -43,6 +57,22 @@ def build_summary(rounds: list[dict[str, Any]], systems: list[str], workloads: l
     if "tito" in memory and "inprocess" in memory:
         memory["tito_own_mb"] = memory["tito"]["server_uss_mb"] - memory["inprocess"]["server_uss_mb"]
     return {"workloads": summary, "cold_errors": cold, "memory": memory, "added": added}
+
+
+def ab_rounds(rounds: list[dict[str, Any]], wl: str, key: str) -> dict[str, Any]:
+    """tito against base, round by round (each round ran both, back to back): the ratio of the workload's figure,
+    and the difference of the serving process's CPU per request."""
+    out: dict[str, list[float]] = {"ratio": [], "cpu_diff_ms": []}
+    for r in rounds:
+        try:
+            t, b = r["tito"][wl], r["base"][wl]
+        except KeyError:
+            continue
+        if t.get(key) and b.get(key):
+            out["ratio"].append(t[key] / b[key])
+        if t.get("cpu_ms_per_req") is not None and b.get("cpu_ms_per_req") is not None:
+            out["cpu_diff_ms"].append(t["cpu_ms_per_req"] - b["cpu_ms_per_req"])
+    return {k: spread_of(v) for k, v in out.items()} | {"rounds": len(out["ratio"])}
 
 
 def added_cpu(summary: dict[str, Any], rounds: list[dict[str, Any]], systems: list[str],
@@ -125,6 +155,7 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
                   + " ".join(f"{fmt(row.get(s, {}).get('cpu_ms_per_req'), 2):>8}" for s in [*servers, "vllm"]) + " "
                   + " ".join(f"{fmt(a.get(s), 2):>9}" for s in [*servers, "vllm"]) + " "
                   + " ".join(f"{fmt(a.get(s + '_ratio'), 2):>10}" for s in servers) + f" {fmt(thr, 2):>14}")
+    print_spread(summary, systems, workloads)
     print("\ncold-start errors (warm-up right after start):", summary["cold_errors"])
     print("peak memory MB: server process RSS (USS = its own, unshared share) / engine processes RSS:")
     for s, m in summary["memory"].items():
@@ -133,6 +164,31 @@ def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Wor
     if "tito_own_mb" in summary["memory"]:
         print(f"tito's own share (USS of tito's process minus USS of the in-process engine client): "
               f"{summary['memory']['tito_own_mb']:.0f} MB")
+
+
+def _mmm(v: list[float] | None, nd: int) -> str:
+    return "-" if not v else " / ".join(f"{x:,.{nd}f}" for x in v)
+
+
+def print_spread(summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> None:
+    """Each figure's min / median / max over rounds, and tito against base round by round."""
+    print("\nspread over rounds (min / median / max): the workload's figure and the serving process's CPU ms/req")
+    for wl in workloads:
+        row = summary["workloads"][wl.name]
+        key = {"tok/s": "tok_s", "req/s": "req_s", "p50": "p50_ms"}[wl.metric]
+        nd = 2 if key == "p50_ms" else 0
+        for s in systems:
+            sp = row[s].get("spread") or {}
+            print(f"{wl.name:<12} {s:<10} {wl.metric:>6} {_mmm(sp.get(key), nd):>28}   cpu ms/req "
+                  f"{_mmm(sp.get('cpu_ms_per_req'), 3)}")
+    if not any("ab" in summary["workloads"][wl.name] for wl in workloads):
+        return
+    print("\ntito (this tree) against base, per round (min / median / max): tito/base of the workload's figure "
+          "(p50: lower is better), and tito - base of the serving process's CPU ms/req")
+    for wl in workloads:
+        ab = summary["workloads"][wl.name]["ab"]
+        print(f"{wl.name:<12} {wl.metric:>6} ratio {_mmm(ab['ratio'], 3):>24}   cpu diff ms/req "
+              f"{_mmm(ab['cpu_diff_ms'], 3):>26}   ({ab['rounds']} rounds)")
 
 
 def write_chart(path: Path, summary: dict[str, Any], systems: list[str], workloads: list[Workload]) -> bool:

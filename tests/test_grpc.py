@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from tests.grpc_client import Replica, admin_call, code_of, collect, gen_request, health_of, until
@@ -79,6 +80,30 @@ def test_max_tokens_past_the_context_generates_to_its_end(grpc_a: Replica) -> No
     for stream in (False, True):
         got = collect(grpc_a.stub().Generate(gen_request(ids, 100, stream=stream, ignore_eos=True)))
         assert len(got["tokens"]) == 12 and got["finish"] == "length"
+
+
+def test_a_slow_reader_gets_every_token_once_in_order_in_fewer_chunks(grpc_a: Replica) -> None:
+    """smg's stream to a reader that falls behind (a 1 KiB flow-control window it does not drain): the tokens made
+    while a write is held up come in one chunk when it completes; every token once, in order, with HTTP's logprobs."""
+    ids, n = PROMPTS[2], 200
+    choice = _http(grpc_a, {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": n,
+                                                                  "ignore_eos": True, "logprobs": 3}})["choices"][0]
+    window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+    def generated() -> float:
+        with grpc_a.http() as c:
+            return metric_value(c.get("/metrics").text, "vllm:generation_tokens_total") or 0.0
+
+    before = generated()
+    with grpc.insecure_channel(grpc_a.target, options=window) as slow:
+        stream = pb_grpc.VllmEngineStub(slow).Generate(gen_request(ids, n, stream=True, logprobs=3,
+                                                                   ignore_eos=True), timeout=120)
+        first = next(stream)
+        until(lambda: generated() >= before + n, 60)  # the reader reads nothing until the engine is done
+        got = collect([first, *stream])
+    assert got["tokens"] == choice["token_ids"] and got["finish"] == "length"
+    assert got["logprobs"] == _f32([e["logprob"] for e in choice["logprobs"]["content"]])
+    assert 2 <= got["chunks"] < n // 2, got["chunks"]
 
 
 def test_vllm_inference_prompt_logprobs_match_http(grpc_b: Replica) -> None:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from app.grpc.proto import vllm_control_pb2 as cpb
 from app.grpc.proto import vllm_inference_pb2 as ipb
+from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.sidecar import (
     FINISH,
@@ -29,6 +30,7 @@ from tests.sidecar import (
     code_of,
     control,
     gen,
+    grpc_port,
     inference,
     joined,
     model_dir,
@@ -173,6 +175,35 @@ def test_stop_token_and_stop_string_end_a_sequence_with_stop(a: ServerProcess, h
 
 def _prompt_tokens(http: httpx.Client) -> float:
     return metric_value(http.get("/metrics").text, "vllm:prompt_tokens_total") or 0.0
+
+
+def test_a_slow_reader_gets_every_token_once_in_order_in_fewer_messages(a: ServerProcess, http: httpx.Client,
+                                                                     tok: Tokenizer) -> None:
+    """A reader that falls behind (a 1 KiB flow-control window it does not drain) holds up the stream's writes; what
+    the engine makes meanwhile goes out as one multi-token message when the write completes: the same tokens,
+    logprobs, text and finish as HTTP's, each token once and in order, in fewer messages than tokens."""
+    ids, n = PROMPTS[1], 200
+    choice = _http_greedy(http, ids, n, logprobs=2)["choices"][0]
+    window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    slow = grpc.insecure_channel(f"127.0.0.1:{grpc_port(a)}", options=window)
+    before = _generated(http)
+    with slow:
+        stream = ipb_grpc.InferenceStub(slow).GenerateStream(gen(ids, n, logprobs=2), timeout=120)
+        first = next(stream)
+        # The reader stops reading until the engine has made every token of the request.
+        wait_for(lambda: _generated(http) >= before + n, 60, "the engine to finish the request")
+        messages = [first, *stream]
+    got = joined(messages)
+    assert got["tokens"] == choice["token_ids"]
+    assert got["logprobs"] == pytest.approx([e["logprob"] for e in choice["logprobs"]["content"]], abs=1e-5)
+    assert got["text"] == tok.decode(got["tokens"]).removesuffix("\ufffd")
+    assert got["finish"].finish_reason == FINISH.LENGTH and got["finish"].num_output_tokens == n
+    sizes = [m.outputs.num_tokens for m in messages]
+    assert sum(sizes) == n and got["messages"] < n // 2 and max(sizes) > 1, sizes
+
+
+def _generated(http: httpx.Client) -> float:
+    return metric_value(http.get("/metrics").text, "vllm:generation_tokens_total") or 0.0
 
 
 @pytest.mark.parametrize("req, md, code", [

@@ -9,6 +9,11 @@ reads: the first message carries ``prompt_info``; each message one sequence's ne
 their detokenized text (``app/grpc/detokenize.py``), logprobs, ranks and candidates when asked; the sequence's last
 message its ``finish_info`` (LENGTH, STOP or ABORTED, the stop token or string, ``kv_transfer_params``).
 ``Generate`` (unary) returns the same as one message. ``x-data-parallel-rank`` metadata picks the engine core.
+
+Coalescing under backpressure: the stream takes the engine's next output only once its last write has completed.
+While a write is held up (a reader behind, its HTTP/2 window full), vLLM's per-request output collector merges the
+engine's new delta outputs, so the next message carries every token made meanwhile (``num_tokens`` > 1, as the
+sidecar and smg read them); a reader that keeps up gets each step's tokens at once, no latency added.
 """
 
 from __future__ import annotations
@@ -372,7 +377,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             gen = state.engine.generate(req.token_ids, params, engine_id, cache_salt=salt, lora=lora,
                                         priority=req.priority, data_parallel_rank=dp_rank)
-            async for res in gen:
+            async for res in gen:  # the outputs made while the last write was held up, merged (see above)
                 for msg in answer.messages(res):
                     await send(msg)
                 if answer.stopped_by_string:
