@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from app.core.protocol import ERROR_RESPONSES, ApiError, json_response
-from app.engine.adapter import on_cpu
+from app.engine.engine_setup import on_cpu
 from app.server.control_service import pause_generation, resume_generation
 from app.server.state import AppState, get_state
 from app.server.weight_service import disk_update

@@ -164,6 +164,12 @@ class FakeEngine(WorkerCalls):
         self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True
 
+    cache_epoch: str | None = None
+
+    def kept_cache_across_update(self) -> None:
+        self.calls.append(("kept_cache_across_update", None))
+        self.cache_epoch = f"tito-weights-{sum(1 for c in self.calls if c[0] == 'kept_cache_across_update')}"
+
     async def ping_workers(self, timeout: float) -> None:
         await asyncio.wait_for(asyncio.sleep(self.ping_delay), timeout)
 

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.tiny.model import TINY_CONFIG
 from tests.conftest import LONG_CONTEXT
 from tests.helpers import ServerProcess, engine_env, free_port, metric_value, restore_server, tito_cmd
 from tests.streaming import GEN, async_client, inflight, long_context_model, wait_for
@@ -56,18 +57,28 @@ def test_port_answers_503_starting_before_the_engine_is_up(started: tuple[Server
 
 
 def test_engine_start_failure_exits_nonzero_with_the_cause(tmp_path: Path) -> None:
+    """A configuration vLLM refuses stops the start at once (exit 2, its reason in one line); an engine that fails
+    while starting (here: a config without its weights) ends the server with exit 3 and the cause in the log."""
     bad = tmp_path / "not-a-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    out = subprocess.run(tito_cmd(bad, free_port()), capture_output=True, text=True, timeout=240, env=engine_env())
+    assert out.returncode == 2, out.stderr
+    assert any(line.startswith("tito: vLLM refuses the engine arguments: ") and "no-such-architecture" in line
+               for line in out.stderr.splitlines()), out.stderr
+
+    weightless = tmp_path / "no-weights"
+    weightless.mkdir()
+    (weightless / "config.json").write_text(json.dumps(TINY_CONFIG))
     port = free_port()
-    s = ServerProcess(tito_cmd(bad, port), port, tmp_path / "bad.log", env=engine_env())
+    s = ServerProcess(tito_cmd(weightless, port), port, tmp_path / "bad.log", env=engine_env())
     s._log = open(s.log_path, "wb")  # noqa: SIM115 - closed by stop()
     s.proc = subprocess.Popen(s.cmd, stdout=s._log, stderr=subprocess.STDOUT, env=s.env, cwd=str(Path.cwd()),
                               process_group=0)
     try:
         code = s.proc.wait(240)
         assert code == 3, s.log_tail()
-        assert "engine failed to start" in s.log_text() and "no-such-architecture" in s.log_text()
+        assert "engine failed to start" in s.log_text() and "Cannot find any model weights" in s.log_text()
     finally:
         s.kill()
 

@@ -223,17 +223,12 @@ def test_readme_snippets_run_as_written_on_a_real_server(tito_url: str, tiny_mod
     put back (base weights) afterwards."""
     import httpx
 
-    from app.tiny.model import make_tiny_model
     from tests.helpers import restore_server
 
     snippet, commands = _readme_snippets()
-    here = ROOT / "models" / "tiny-qwen3"
-    if not (here / "config.json").exists():  # what `make serve` writes; pytest alone may not have
-        make_tiny_model(here)
-    if not here.resolve().is_relative_to(ROOT.resolve()):
-        # A checkout whose models/ links elsewhere (a git worktree sharing another's): the server's working directory
-        # does not hold it, so the same weights at the session's model path (an allowed root) stand in.
-        snippet = snippet.replace('"models/tiny-qwen3"', repr(str(tiny_model)))
+    # `make serve` allows paths under its working directory, where README's `models/tiny-qwen3` is; the suite's
+    # server allows only the test tree, where the same weights (the tiny model, same seed) stand in for them.
+    snippet = snippet.replace('"models/tiny-qwen3"', repr(str(tiny_model)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TITO_")} | {"TITO_URL": tito_url}
     try:
         out = subprocess.run([sys.executable, "-c", snippet.replace("http://127.0.0.1:8000", tito_url)], cwd=ROOT,

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_preload_is_the_one_vllms_cpu_platform_sets(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tito finds, without importing PyTorch or vLLM, the same libraries vLLM's CPU platform puts in LD_PRELOAD
     for its processes (so a vLLM that changes them fails here)."""
-    from app.engine.adapter import engine_args, on_cpu
+    from app.engine.engine_setup import engine_args, on_cpu
 
     if not on_cpu():
         pytest.skip("vLLM sets no preload off the CPU platform")

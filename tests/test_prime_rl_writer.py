@@ -234,9 +234,10 @@ def test_prefix_cache_follows_the_callers_pause(trainer_group, tied_server, tmp_
     engine's prefix-cache hit counter; the figure is the prefill saved per step."""
     prompt = [(11 * i) % 500 + 3 for i in range(200)]
 
-    def turn(c: httpx.Client, salt: str) -> tuple[int, float]:
+    def turn(c: httpx.Client, salt: str | None) -> tuple[int, float]:
         hits0 = metric_value(c.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0
-        r = c.post(GEN, json={"token_ids": prompt, "cache_salt": salt, "sampling_params": {"max_tokens": 1}})
+        salted = {"cache_salt": salt} if salt is not None else {}
+        r = c.post(GEN, json={"token_ids": prompt, **salted, "sampling_params": {"max_tokens": 1}})
         assert r.status_code == 200, r.text
         cached = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
         hits = (metric_value(c.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0) - hits0
@@ -253,11 +254,15 @@ def test_prefix_cache_follows_the_callers_pause(trainer_group, tied_server, tmp_
         cached, _ = turn(c, "v0")
         assert 0 < cached <= len(prompt) - 1
         full = cached  # the block-aligned prefix the engine caches
+        turn(c, None)
+        assert turn(c, None)[0] == full  # a caller that never salts reuses its KV too
         # Prime-RL's step: the cache is kept, versions are kept apart by the salt.
         apply_with_prime_rl(tied_server.url, steps[0], 1)
         saved, _ = turn(c, "v0")
         assert saved == full
         assert turn(c, "v1")[0] == 0
+        # A request without a salt never reads the old weights' KV: tito salts it with the new weights'.
+        assert turn(c, None)[0] == 0 and turn(c, None)[0] == full
         print(f"prefill saved per Prime-RL step: {saved} of {len(prompt)} prompt tokens for each kept turn")
         # No pause from the caller: tito pauses itself and resets the cache.
         r = c.post("/update_weights", json={"weight_dir": str(steps[1])})

@@ -64,12 +64,16 @@ def _sp(**sp: Any) -> GenerateRequest:
     ({"prompt_logprobs": 6}, "sampling_params.prompt_logprobs"),
     ({"stop_token_ids": [1, 2, 3, 4]}, "sampling_params.stop_token_ids"),
     ({"logit_bias": {"1": 1.0, "2": 1.0, "3": 1.0}}, "sampling_params.logit_bias"),
-    ({"max_tokens": 63}, "sampling_params.max_tokens"),
 ])
 def test_each_count_limit_is_a_400_naming_the_field(sp, param):
     with pytest.raises(ApiError) as e:
         build_sampling_params(_sp(**sp), LIMITS)
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_max_tokens_past_the_context_is_the_room_left():
+    """As vLLM's token API: prompt + max_tokens past the context generates what fits (finish "length"), no 400."""
+    assert build_sampling_params(_sp(max_tokens=63), LIMITS).max_tokens == 62
 
 
 @pytest.mark.parametrize("sp,param", [

@@ -60,14 +60,8 @@ def cmd_serve(argv: list[str], own_process: bool = False) -> int:
         from app.engine.vllm_args import engine_start_of
 
         reexec_with_preload(engine_start_of(argv))  # before PyTorch is imported; see app/engine/process_start.py
-    from app.engine.vllm_args import (
-        ServeArgsError,
-        check_engine,
-        check_frontend,
-        engine_options,
-        notices,
-        parse_serve,
-    )
+    from app.engine.engine_setup import check_engine
+    from app.engine.vllm_args import ServeArgsError, check_frontend, engine_options, notices, parse_serve
 
     try:
         settings = parse_serve(argv)

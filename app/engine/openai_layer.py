@@ -152,8 +152,9 @@ def in_call(call: _Call) -> Iterator[None]:
 class _GatedClient:
     """vLLM's engine client (``AsyncLLM``) as vLLM's serving classes see it, with ``generate()`` gated by tito."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, salt: Callable[[], str | None]) -> None:
         self._llm = llm
+        self._salt = salt  # the engine's salt for requests that bring none (Engine.kept_cache_across_update)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -168,6 +169,8 @@ class _GatedClient:
             raise bad_request("this server takes token or text prompts only (no embeddings or media here).",
                               "prompt")
         ids = list(prompt["prompt_token_ids"])
+        if not prompt.get("cache_salt") and (salt := self._salt()):
+            prompt = {**prompt, "cache_salt": salt}
         check_engine_params(sampling_params, ids, call.gate.limits, priority=priority, tokenizer=call.tokenizer)
         # And vLLM's own checks of the params (SamplingParams.verify, feature gates such as thinking_token_budget),
         # which the engine client would otherwise make after the answer began; they do not modify the params. The
@@ -219,7 +222,8 @@ class OpenAILayer:
     """vLLM's completion, chat, tokenization and render handlers over one engine (``Engine.openai_layer``)."""
 
     def __init__(self, llm: AsyncLLM, names: list[str], model_path: str, loras: Callable[[], dict[str, Any]],
-                 media: MediaPolicy, multimodal: bool, options: argparse.Namespace) -> None:
+                 media: MediaPolicy, multimodal: bool, options: argparse.Namespace,
+                 salt: Callable[[], str | None] = lambda: None) -> None:
         """``options``: vLLM's front-end arguments (``vllm_args.frontend_options``: chat template, tool and reasoning
         parsers, ...), applied to each handler as vLLM's own server applies them."""
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -230,7 +234,7 @@ class OpenAILayer:
         from vllm.entrypoints.serve.utils.fingerprint import set_default_fingerprint_mode
         from vllm.renderers.online_renderer import OnlineRenderer
 
-        client: Any = _GatedClient(llm)
+        client: Any = _GatedClient(llm, salt)
         self.tokenizer = not llm.model_config.skip_tokenizer_init
         self.media, self.multimodal = media, multimodal
         self.models = _models_class()(engine_client=client,

@@ -249,22 +249,6 @@ def frontend_options(settings: Settings) -> argparse.Namespace:
     return argparse.Namespace(**values, given=frozenset(settings.vllm_args))
 
 
-def check_engine(settings: Settings) -> None:
-    """vLLM's own checks of the engine arguments (what this platform cannot run included), before anything starts:
-    its message, in one line."""
-    from pydantic import ValidationError
-
-    from app.engine.adapter import engine_args
-
-    try:
-        engine_args(settings).create_engine_config()
-    except ValidationError as e:
-        raise ServeArgsError("vLLM refuses the engine arguments: " + "; ".join(
-            str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors())) from None
-    except (ValueError, TypeError, NotImplementedError) as e:
-        raise ServeArgsError(f"vLLM refuses the engine arguments: {' '.join(str(e).split())}") from None
-
-
 def load_plugins(settings: Settings) -> None:
     """What ``vllm serve`` imports before it builds its handlers: a tool-parser plugin."""
     if plugin := settings.vllm_args.get("tool_parser_plugin"):

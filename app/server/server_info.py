@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app import __version__
-from app.engine.adapter import has_tokenizer, vllm_version
+from app.engine.adapter import vllm_version
+from app.engine.engine_setup import has_tokenizer
 from app.server.state import AppState
 
 log = logging.getLogger("tito.info")

@@ -13,7 +13,7 @@ from typing import Any
 
 from app.core import metrics
 from app.core.protocol import ApiError
-from app.engine.adapter import on_cpu
+from app.engine.engine_setup import on_cpu
 from app.server.state import AppState
 from app.weights.paths import resolve_allowed
 from app.weights.tied import check_checkpoint, tied_embedding

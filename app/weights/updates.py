@@ -471,7 +471,9 @@ class WeightManager:
         weights, no old KV is reused) unless the caller paused asking to keep it; then, as vLLM and Prime-RL's server
         do, kept requests go on with their KV and the caller's per-version ``cache_salt`` keeps versions apart."""
         if self.keep_cache and not paused_here:
-            log.info("prefix cache kept across the update (the caller's pause asked clear_cache=false)")
+            self.engine.kept_cache_across_update()
+            log.info("prefix cache kept across the update (the caller's pause asked clear_cache=false); requests "
+                     "without a cache_salt are salted with the new weights' (%s)", self.engine.cache_epoch)
         elif not await self.engine.reset_prefix_cache(reset_running_requests=True):
             log.warning("prefix cache could not be fully reset after the weight update")
 
