@@ -101,6 +101,7 @@ def cmd_serve(argv: list[str], own_process: bool = False) -> int:
         app.add_middleware(RequestLog)  # outermost: times and logs every answer; not mounted at all when off
     try:
         code = serve(app, settings)
+        logging.getLogger("tito").info("server stopped (exit code %d)", code)
     finally:
         if app.state.sidecar is not None:  # Dynamo's sidecar (app/dynamo/supervisor.py) never outlives the server
             app.state.sidecar.stop_now()

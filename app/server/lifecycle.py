@@ -15,6 +15,7 @@ import os
 import signal
 import ssl
 import sys
+import threading
 import time
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
@@ -31,6 +32,8 @@ log = logging.getLogger("tito.lifecycle")
 
 # After a drain (or abort) the connections are idle or closing; uvicorn only needs a moment to close them.
 CLOSE_GRACE_S = 5.0
+# How long the atexit handlers get at the end of `tito serve` (exit_now).
+EXIT_HANDLERS_S = 10.0
 # How long aborted requests get to write their final (partial) answer before the server stops.
 ABORT_GRACE_S = 5.0
 
@@ -129,8 +132,20 @@ def exit_now(code: int) -> NoReturn:
     """End ``tito serve`` after its clean shutdown without Python's interpreter teardown. The atexit handlers run and
     the logs are flushed, as on a normal exit; what is skipped is the module teardown, after which Triton's nanobind
     bindings (imported by torch._dynamo, unused on a CPU) print ~30 lines of "nanobind: leaked ... instances/types/
-    functions": Triton objects still referenced when the interpreter finalizes, not a leak of this process."""
-    atexit._run_exitfuncs()
+    functions": Triton objects still referenced when the interpreter finalizes, not a leak of this process. The handlers
+    get ``EXIT_HANDLERS_S``: one that blocks (a join on a child that never ends) does not keep the process alive."""
+    done = threading.Event()
+
+    def handlers() -> None:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            done.set()
+
+    threading.Thread(target=handlers, name="tito-exit-handlers", daemon=True).start()
+    if not done.wait(EXIT_HANDLERS_S):
+        log.warning("exit handlers still running after %.0fs: exiting without waiting for them", EXIT_HANDLERS_S)
+    log.info("exiting with code %d", code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
