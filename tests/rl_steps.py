@@ -28,8 +28,10 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 300, 42, 9]]
 # it (a prompt of a few tokens + ENDLESS); its KV cache (~1 KiB per token for the tiny model, 1 GiB) holds it ~17 times.
 ENDLESS = 60000
 
-def write_step(directory: Path, sd: dict[str, torch.Tensor], *, config: bool = False, shards: int = 1) -> Path:
-    """Write ``sd`` as a trainer does: model.safetensors, or shards + index; no config.json unless asked."""
+def write_step(directory: Path, sd: dict[str, torch.Tensor], *, config: bool | dict[str, Any] = False,
+               shards: int = 1) -> Path:
+    """Write ``sd`` as a trainer does: model.safetensors, or shards + index; no config.json unless asked (``True``:
+    the tiny model's, or the config given)."""
     directory.mkdir(parents=True, exist_ok=True)
     if shards == 1:
         save_file(sd, str(directory / "model.safetensors"))
@@ -45,15 +47,17 @@ def write_step(directory: Path, sd: dict[str, torch.Tensor], *, config: bool = F
             {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
              "weight_map": weight_map}))
     if config:
-        (directory / "config.json").write_text(json.dumps(TINY_CONFIG))
+        (directory / "config.json").write_text(json.dumps(TINY_CONFIG if config is True else config))
     return directory
 
 
-def reference_greedy(sd: dict[str, torch.Tensor], directory: Path, prompts: list[list[int]], n: int) -> list:
-    """transformers greedy on ``sd`` (fp32): the independent answer for "a fresh engine on these weights"."""
+def reference_greedy(sd: dict[str, torch.Tensor], directory: Path, prompts: list[list[int]], n: int,
+                     config: dict[str, Any] | None = None) -> list:
+    """transformers greedy on ``sd`` (fp32) with ``config`` (default: the tiny model's): the independent answer for "a
+    fresh engine on these weights"."""
     from tests.reference import Reference
 
-    write_step(directory, {k: v.float() for k, v in sd.items()}, config=True)
+    write_step(directory, {k: v.float() for k, v in sd.items()}, config=config or True)
     ref = Reference(directory)
     return [ref.greedy(p, n)[0] for p in prompts]
 

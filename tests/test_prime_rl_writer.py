@@ -29,8 +29,7 @@ from safetensors import safe_open
 from app.tiny.model import TINY_CONFIG, make_tiny_model
 from tests.helpers import ServerProcess, free_port, metric_value, restore_server
 from tests.prime_rl_src import use_prime_rl
-from tests.reference import Reference
-from tests.rl_steps import GEN, PROMPTS, greedy
+from tests.rl_steps import GEN, PROMPTS, greedy, reference_greedy
 
 pytestmark = pytest.mark.engine
 
@@ -93,17 +92,11 @@ def write_step(model: torch.nn.Module, step_dir: Path) -> None:
 
 def reference(step_dir: Path, config: dict, out: Path) -> list[list[int]]:
     """transformers greedy on the step's own files, in float32 (the served dtype)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
-        sd = {k: f.get_tensor(k).float() for k in f.keys()}
+        sd = {k: f.get_tensor(k) for k in f.keys()}
     if config.get("tie_word_embeddings"):
         sd.pop("lm_head.weight")
-    save_file(sd, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config))
-    ref = Reference(out)
-    return [ref.greedy(p, N)[0] for p in PROMPTS]
+    return reference_greedy(sd, out, PROMPTS, N, config=config)
 
 
 def apply_with_prime_rl(url: str, step_dir: Path, step: int) -> None:
@@ -199,14 +192,7 @@ def test_tied_model_takes_the_trainers_broadcast(tied_server, tmp_path) -> None:
             assert r.status_code == 200, r.text
             assert r.json()["source"] == "broadcast" and r.json()["skipped"] == ["lm_head.weight"]
             sd = tiny_state_dict(31, tied_config)
-            ref_dir = tmp_path / "ref"
-            ref_dir.mkdir()
-            from safetensors.torch import save_file
-
-            save_file(sd, str(ref_dir / "model.safetensors"))
-            (ref_dir / "config.json").write_text(json.dumps(tied_config))
-            ref = Reference(ref_dir)
-            assert greedy(c, PROMPTS, N) == [ref.greedy(p, N)[0] for p in PROMPTS]
+            assert greedy(c, PROMPTS, N) == reference_greedy(sd, tmp_path / "ref", PROMPTS, N, config=tied_config)
             assert "sent step_1" in sender.finish()
         finally:
             sender.kill()
@@ -302,7 +288,6 @@ def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_pa
     """A staged delta of a tied model's state dict changes ``lm_head.weight`` exactly as the embedding: accepted, the
     head's record dropped, and the committed weights answer as transformers on them; a head record that differs from
     the embedding's is refused at the stage, naming both."""
-    from safetensors.torch import save_file
 
     from app.tiny.model import DEFAULT_SEED, tiny_state_dict
     from tests.delta_encoder import perturb, write_delta
@@ -326,12 +311,7 @@ def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_pa
             assert r.status_code == 200, r.text
         finally:
             assert c.post("/resume").json() == {"status": "resumed"}
-        ref_dir = tmp_path / "ref"
-        ref_dir.mkdir()
-        save_file(target, str(ref_dir / "model.safetensors"))
-        (ref_dir / "config.json").write_text(json.dumps(config))
-        ref = Reference(ref_dir)
-        assert greedy(c, PROMPTS, N) == [ref.greedy(p, N)[0] for p in PROMPTS]
+        assert greedy(c, PROMPTS, N) == reference_greedy(target, tmp_path / "ref", PROMPTS, N, config=config)
         bad = with_head(target)
         bad["lm_head.weight"][0, 0] += 1.0
         write_delta(tmp_path / "step_2" / "delta.safetensors", with_head(target), bad)

@@ -53,19 +53,16 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 def cmd_serve(argv: list[str], own_process: bool = False) -> int:
     """``tito serve ARGV``: vLLM's serve arguments and tito's flags (app/engine/vllm_args.py)."""
-    import os
-
     if own_process:
         from app.engine.process_start import reexec_with_preload
         from app.engine.vllm_args import engine_start_of
 
         reexec_with_preload(engine_start_of(argv))  # before PyTorch is imported; see app/engine/process_start.py
     from app.engine.engine_setup import check_engine
-    from app.engine.vllm_args import ServeArgsError, check_frontend, engine_options, notices, parse_serve
+    from app.engine.vllm_args import ServeArgsError, check_frontend, notices, parse_serve
 
     try:
         settings = parse_serve(argv)
-        engine_options(settings)
     except ServeArgsError as e:
         print(f"tito: {e}", file=sys.stderr)
         return 2
@@ -74,19 +71,18 @@ def cmd_serve(argv: list[str], own_process: bool = False) -> int:
         print(f"tito: model directory {settings.model!r} does not exist "
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
         return 2
-    try:
-        check_frontend(settings)
-        if not settings.enable_return_routed_experts:  # its refusal below names the flag and the reason
-            check_engine(settings)
-    except ServeArgsError as e:
-        print(f"tito: {e}", file=sys.stderr)
-        return 2
     if settings.enable_return_routed_experts:
         from app.engine.routed_experts import routed_experts_refusal
 
         if refusal := routed_experts_refusal(settings):
             print(f"tito: {refusal}", file=sys.stderr)
             return 2
+    try:
+        check_frontend(settings)
+        check_engine(settings)
+    except ServeArgsError as e:
+        print(f"tito: {e}", file=sys.stderr)
+        return 2
     for line in notices(settings):
         logging.getLogger("tito").info("%s", line)
     from app.server.lifecycle import serve

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -151,6 +152,10 @@ class Engine(WorkerCalls):
         args = engine_args(settings)
         config = args.create_engine_config()  # the CPU platform sets ``spawn`` for the engine's processes here
         if on_cpu():
+            # Said here, once: ``engine_args`` also runs for the start-up check of the arguments (check_engine).
+            log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, "
+                     "enforce_eager=%s, chunked prefill %s", os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                     args.gpu_memory_utilization, args.enforce_eager, "on" if args.enable_chunked_prefill else "off")
             if refusal := fork_refusal(settings.engine_start):
                 log.info("engine processes spawned (%s)", refusal)
             else:

@@ -5,15 +5,12 @@ anything starts (``check_engine``). Whether the model's tokenizer is loaded, and
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from typing import Any
 
 from app.core.settings import Settings
 from app.engine.multimodal import engine_kwargs as mm_engine_kwargs
 from app.engine.multimodal import ships_processor
-
-log = logging.getLogger("tito.engine")
 
 
 def has_tokenizer(model_dir: str) -> bool:
@@ -60,9 +57,6 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
         # every prefill and every recompute is scheduled whole (max_num_batched_tokens >= max_model_len).
         "enable_chunked_prefill": False,
     }
-    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, enforce_eager=%s, "
-             "chunked prefill off", os.environ["VLLM_CPU_KVCACHE_SPACE"], chosen["gpu_memory_utilization"],
-             chosen["enforce_eager"])
     return chosen
 
 

@@ -188,6 +188,10 @@ def refusals(settings: Settings) -> list[str]:
         out.append("--additional-config fp32_router_logits is not supported by tito: Prime-RL's fp32 router logits "
                    "for DeepSeek-family gates are its own vLLM patch (upstream in vLLM after 0.32); leave it out, or "
                    "serve this model with Prime-RL's server")
+    head = ((settings.vllm_args.get("hf_overrides") or {}).get("head_dtype") or "float32")
+    if (settings.vllm_args.get("additional_config") or {}).get("fp32_lm_head") and head != "float32":
+        out.append(f"additional_config.fp32_lm_head asks for an fp32 LM head but --hf-overrides sets head_dtype="
+                   f"{head!r}")
     ext = settings.vllm_args.get("worker_extension_cls")
     if ext and not str(ext).startswith(TRAINER_EXTENSIONS):
         out.append(f"--worker-extension-cls {ext} is not supported by tito: tito's own worker extension carries its "
@@ -225,13 +229,9 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     out = {k: v for k, v in settings.vllm_args.items() if k in fields}
     extra = out.get("additional_config") or {}
     if extra.get("fp32_lm_head"):
-        # Prime-RL's switch for an fp32 LM head (its own vLLM patch) is vLLM 0.32's head_dtype override.
-        overrides = dict(out.get("hf_overrides") or {})
-        if overrides.get("head_dtype", "float32") != "float32":
-            raise ServeArgsError("additional_config.fp32_lm_head asks for an fp32 LM head but --hf-overrides sets "
-                                 f"head_dtype={overrides['head_dtype']!r}")
-        overrides["head_dtype"] = "float32"
-        out["hf_overrides"] = overrides
+        # Prime-RL's switch for an fp32 LM head (its own vLLM patch) is vLLM 0.32's head_dtype override (a conflicting
+        # override is refused at start: ``refusals``).
+        out["hf_overrides"] = {**(out.get("hf_overrides") or {}), "head_dtype": "float32"}
     return out
 
 
@@ -263,9 +263,10 @@ def check_frontend(settings: Settings) -> None:
     from vllm.tool_parsers import ToolParserManager
 
     ns = frontend_options(settings)
+    defaults = vllm_defaults()
     for k in ("grpc", "headless", "api_server_count", "data_parallel_multi_port_external_lb", "enable_log_requests",
               "disable_log_stats"):
-        setattr(ns, k, settings.vllm_args.get(k, vllm_defaults().get(k)))
+        setattr(ns, k, settings.vllm_args.get(k, defaults.get(k)))
     ns.grpc_port = None  # tito's --grpc-port is its own gRPC server, not vLLM's Rust front end's
     try:
         validate_parsed_serve_args(ns)
