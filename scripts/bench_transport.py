@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""The floor of a token stream's transport: CPU per message of a ``grpc.aio`` server stream against a bare asyncio
-(uvloop) socket that writes one SSE-like frame per message, no engine and no tito code.
+"""The floor of a token stream's transport: CPU per message of a ``grpc.aio`` server stream, of the same servicer on
+pygrpc-native's server (tito's default ``--grpc-server native``), and of a bare asyncio (uvloop) socket that writes
+one SSE-like frame per message, no engine and no tito code.
 
     python scripts/bench_transport.py [--streams 32] [--messages 64] [--step 0.004] [--rounds 3]
 
@@ -48,7 +49,11 @@ def _ticking(step: float) -> asyncio.Event:
     return tick
 
 
-def grpc_server(port: int, messages: int, step: float, ready: Any) -> None:
+def native_server(port: int, messages: int, step: float, ready: Any) -> None:
+    grpc_server(port, messages, step, ready, native=True)
+
+
+def grpc_server(port: int, messages: int, step: float, ready: Any, native: bool = False) -> None:
     import grpc
 
     from app.grpc.proto import vllm_inference_pb2 as pb
@@ -67,7 +72,11 @@ def grpc_server(port: int, messages: int, step: float, ready: Any) -> None:
                     msg.outputs.text = "ab"
                     await context.write(msg)
 
-        server = grpc.aio.server()
+        if native:
+            import pygrpc_native.aio
+            server = pygrpc_native.aio.server()
+        else:
+            server = grpc.aio.server()
         pb_grpc.add_InferenceServicer_to_server(Servicer(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -135,7 +144,8 @@ def main() -> int:
     ns = ap.parse_args()
     from tests.helpers import free_port
 
-    servers = {"grpc": (grpc_server, grpc_client), "raw": (raw_server, raw_client)}
+    servers = {"grpc": (grpc_server, grpc_client), "native": (native_server, grpc_client),
+               "raw": (raw_server, raw_client)}
     procs: dict[str, tuple[mp.Process, int]] = {}
     per_msg: dict[str, list[float]] = {k: [] for k in servers}
     try:

@@ -17,10 +17,11 @@ that uses it, one at a time, while the tests before it run (``SharedServers``); 
 - ``keyed_tito``: both API keys (``DATA_KEY``, ``ADMIN_KEY``, from the environment), LoRA, JSON request logs, small
   request caps and tokens only (``--skip-tokenizer-init``): the end-to-end server of test_client.py, test_openai.py
   and test_security_e2e.py. Each module using it restores it at its end (``restore_server`` with the admin key).
-- ``grpc_a``: ``--grpc-port``, KV events, 32-token blocks, 5 logprobs: tito's gRPC surface (test_grpc.py,
-  test_grpc_events.py). Its second replica ``grpc_b`` (no KV events, no LoRA, for
-  vllm.Inference's prompt logprobs, the smg gateway in front of both and the SIGTERM test) is the default server,
-  which also serves gRPC; the SIGTERM test ends it after its last user.
+- ``grpc_a``: ``--grpc-port`` on grpcio's server (``--grpc-server grpcio``; every other server's gRPC is the default
+  native one), KV events, 32-token blocks, 5 logprobs: tito's gRPC surface (test_grpc.py, test_grpc_events.py). Its
+  second replica ``grpc_b`` (no KV events, no LoRA, for vllm.Inference's prompt logprobs, the smg gateway in front
+  of both and the SIGTERM test) is the default server, which also serves gRPC; the SIGTERM test ends it after its
+  last user.
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server.
 - ``prime_tito``: started with the command line Prime-RL's own launcher builds (its defaults for a Qwen3 model:
@@ -485,8 +486,10 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
             "vllm_ref": vllm, "prime_tito": prime, "sidecar_a": sidecar_replica("sidecar-a", False),
             "sidecar_b": sidecar_replica("sidecar-b", True),
             # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free ports on loopback).
+            # grpcio's server (the other servers serve gRPC on the default, pygrpc-native's): both kinds run the
+            # exactness tests and sit behind the smg gateway together.
             "grpc_a": grpc_replica("grpc-a", "--kv-events-port", "0", "--block-size", str(GRPC_BLOCK),
-                                   env={"VLLM_HOST_IP": "127.0.0.1"})}
+                                   "--grpc-server", "grpcio", env={"VLLM_HOST_IP": "127.0.0.1"})}
 
 
 @pytest.fixture(scope="session")

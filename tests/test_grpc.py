@@ -48,7 +48,10 @@ def _f32(xs: list[float]) -> list[float]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_greedy_tokens_and_logprobs_match_http(grpc_a: Replica, stream: bool) -> None:
+@pytest.mark.parametrize("replica", ["grpc_a", "grpc_b"], ids=["grpcio", "native"])
+def test_greedy_tokens_and_logprobs_match_http(request: pytest.FixtureRequest, replica: str, stream: bool) -> None:
+    """On both gRPC servers: grpc_a serves on grpcio's, grpc_b on the default (pygrpc-native's)."""
+    grpc_a: Replica = request.getfixturevalue(replica)
     stub = grpc_a.stub()
     for ids in PROMPTS:
         http = _http(grpc_a, {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 24,
@@ -192,6 +195,7 @@ def test_server_and_model_info_carry_what_server_info_says(grpc_a: Replica) -> N
     for key in ("model", "parallelism", "features"):
         assert carried[key] == http[key]
     assert carried["server"]["grpc_port"] == http["server"]["grpc_port"] == grpc_a.grpc_port
+    assert http["server"]["grpc_server"] == "grpcio"  # as started (tests/conftest.py); the default is "native"
     assert carried["state"]["ready"] is True and carried["state"]["draining"] is False
     assert info.data_parallel_size == http["parallelism"]["data_parallel_size"]
     assert info.max_num_seqs == http["model"]["max_num_seqs"]

@@ -81,6 +81,7 @@ def test_server_and_model_info_are_truthful_and_identical_on_every_connection(a:
     server, model = answers[0]
     info = http.get("/server_info").json()
     assert server.api_version == "vllm" and server.engine_version == info["server"]["vllm_version"]
+    assert info["server"]["grpc_server"] == "native"  # the default: what the sidecar talks to in every test here
     assert server.instance_id
     p = server.parallelism
     assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size) == (1, 1, 1)

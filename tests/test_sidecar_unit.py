@@ -290,13 +290,20 @@ def _outbound_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
+@pytest.fixture(params=["native", "grpcio"])
+def grpc_server_kind(request: pytest.FixtureRequest) -> str:
+    """Both of ``--grpc-server``'s servers: the peer each reports decides the loopback trust."""
+    return str(request.param)
+
+
 @pytest.fixture
-async def vllm_served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StandInState, grpc.aio.Channel]]:
+async def vllm_served(request: pytest.FixtureRequest,
+                      grpc_server_kind: str) -> AsyncIterator[tuple[StandInState, grpc.aio.Channel]]:
     params = dict(getattr(request, "param", {}))
     target = params.pop("target", "127.0.0.1")
     host = params.pop("host", "127.0.0.1")
     state = StandInState(**params)
-    state.settings = state.settings.replace(host=host)
+    state.settings = state.settings.replace(host=host, grpc_server=grpc_server_kind)
     server = GrpcServer(state)  # type: ignore[arg-type]
     await server.start()
     channel = grpc.aio.insecure_channel(f"{target}:{state.settings.grpc_port}")

@@ -155,6 +155,9 @@ class Settings:
     grpc_port: int | None = flag(None, "Also serve gRPC on this port: smg's VllmEngine and vLLM's native vllm.Control "
                                  "+ vllm.Inference (Dynamo's vLLM sidecar), health, reflection; same engine and "
                                  "admission as HTTP; unset: no gRPC.")
+    grpc_server: str = flag(
+        "native", "The gRPC server under those services: `native` (pygrpc-native: HTTP/2 and gRPC framing in Rust "
+        "threads, about half grpcio's CPU per streamed message) or `grpcio` (grpc.aio).", choices=("native", "grpcio"))
     grpc_trust_loopback: bool = flag(True, "With API keys set, vllm.Control / vllm.Inference calls from a loopback "
                                      "peer need no key (the Dynamo sidecar beside tito sends none); others always do.")
     # --- HTTP server

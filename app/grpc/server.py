@@ -122,7 +122,13 @@ class GrpcServer:
         # Without keys both interceptors pass every call: left out, so no call pays their two coroutines.
         interceptors = [ApiKeyInterceptor(keys), grpc_vllm.VllmKeyInterceptor(keys, s.grpc_trust_loopback)] \
             if keys.any else []
-        self.server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
+        self.kind = s.grpc_server
+        if s.grpc_server == "native":
+            import pygrpc_native.aio
+
+            self.server = pygrpc_native.aio.server(options=_OPTIONS, interceptors=interceptors)
+        else:
+            self.server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(TitoEngineServicer(state), self.server)
         vllm_services = grpc_vllm.add_services(self.server, state)
         health_pb2_grpc.add_HealthServicer_to_server(TitoHealth(state), self.server)
@@ -135,7 +141,8 @@ class GrpcServer:
         except RuntimeError as e:
             raise RuntimeError(f"cannot bind the gRPC port {self.address}: {e}") from None
         await self.server.start()
-        log.info("gRPC (VllmEngine, vllm.Control, vllm.Inference, grpc.health.v1, reflection) on %s", self.address)
+        log.info("gRPC (VllmEngine, vllm.Control, vllm.Inference, grpc.health.v1, reflection) on %s, %s server",
+                 self.address, self.kind)
 
     async def stop(self, grace: float) -> None:
         """Stop listening; calls still running get ``grace`` seconds (the drain has already waited for them)."""

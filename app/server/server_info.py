@@ -49,6 +49,7 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             "host": s.host,
             "port": s.port,
             "grpc_port": s.grpc_port,
+            "grpc_server": s.grpc_server if s.grpc_port is not None else None,
             "started_at": datetime.fromtimestamp(state.started_at, UTC).isoformat(),
             "started_at_unix": state.started_at,
             "uptime_s": round(now - state.started_at, 3),
