@@ -1,14 +1,14 @@
 """Router replay's wire: ``routed_experts`` as Prime-RL's server sends it (``{"data", "shape", "start", "dtype"}``),
 read by Prime-RL's own client code; vLLM's base64 ``.npy`` with ``--routed-experts-format npy``.
 
-On CPU vLLM's model runner does not capture routed experts (tito refuses the flag there, app/engine/routed_experts.py),
-so the engine's side is vLLM's own capture format (``RoutedExpertsCapturer``'s snapshots: uint8 ``[positions,
+Here the engine's side is vLLM's own capture format (``RoutedExpertsCapturer``'s snapshots: uint8 ``[positions,
 moe_layers, top_k]`` up to 256 experts, uint16 past), handed to the real app by the fake engine. The encoding is
 compared byte for byte with Prime-RL's server encoder (``prime_rl.inference.vllm.routed_experts``, from the source
 snapshot; ``pybase64``, its faster base64, stands in as the standard library's when not installed: the same bytes),
 the answer is parsed by ``renderers``' own ``parse_generate_response`` (its fast path splices ``data`` out before
 the JSON), and decoded as verifiers' ``_attribute_routed_experts`` decodes it (``verifiers`` itself is not installed
-here: its dependency tree is a runtime's; the rule is its three lines, quoted below).
+here: its dependency tree is a runtime's; the rule is its three lines, quoted below). The real engine's capture,
+on CPU with a tiny MoE, against transformers' router: tests/test_router_replay.py.
 """
 
 from __future__ import annotations
