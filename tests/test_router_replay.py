@@ -123,14 +123,30 @@ def test_routed_experts_are_the_routers_top_k(client: httpx.Client, hf_model: An
 
 def test_prefix_cache_hit_returns_the_stored_routing(client: httpx.Client, hf_model: Any) -> None:
     """A prompt whose first blocks are in the prefix cache is not run through the model again: their routing comes
-    from vLLM's block store, and still equals the router's."""
+    from vLLM's block store, and still equals the router's; after a prefix-cache reset (what a weight update may do)
+    the prompt runs again, and so does its capture."""
     prompt = [(11 * i + 2) % 500 + 3 for i in range(70)]
     first = generate(client, prompt, 0, max_tokens=4)
     again = generate(client, prompt, 0, max_tokens=4)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, again["usage"]
     a = check(hf_model, prompt, 0, first["choices"][0])
-    b = check(hf_model, prompt, 0, again["choices"][0])
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, check(hf_model, prompt, 0, again["choices"][0]))
+    r = client.post("/reset_prefix_cache")
+    assert r.status_code == 200, r.text
+    reset = generate(client, prompt, 0, max_tokens=4)
+    assert reset["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, reset["usage"]
+    np.testing.assert_array_equal(a, check(hf_model, prompt, 0, reset["choices"][0]))
+
+
+def test_served_and_checked(client: httpx.Client) -> None:
+    """``/server_info`` says so; a ``routed_experts_prompt_start`` past the prompt is a 400 (vLLM's check) and the
+    engine keeps serving."""
+    assert client.get("/server_info").json()["features"]["routed_experts"] is True
+    r = client.post(GEN, json={"token_ids": PROMPTS[1], "sampling_params": {"max_tokens": 2,
+                                                                             "routed_experts_prompt_start": 9}})
+    assert r.status_code == 400 and "routed_experts_prompt_start" in r.text, r.text
+    assert verifiers_decode(generate(client, PROMPTS[1], 8, max_tokens=3)["choices"][0]["routed_experts"]).shape \
+        == (2, LAYERS, TOP_K)
 
 
 def test_vllm_npy_form(client: httpx.Client, model: str, hf_model: Any) -> None:
