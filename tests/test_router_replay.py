@@ -9,6 +9,8 @@ tests/test_routed_experts_wire.py), equal transformers' router top-k (``Qwen3Moe
 ``routed_experts_prompt_start`` and the generated ones (the last generated token never runs through the model, so
 it has no row). The top-k is compared as a set per row: vLLM's CPU router takes it unsorted, and replay selects
 experts by id. Without the fix (``TITO_VLLM_PATCHES=0``) the server does not start (tests/test_cli.py).
+The last test updates the weights: without the fix for MoE weight updates on CPU (fix 6) the engine's tokens and
+the second MoE layer's routing no longer match the new weights (measured before the fix).
 
 The server's answers are in Prime-RL's form (the default ``--routed-experts-format``); vLLM's own base64 ``.npy``
 form is read from the same engine through vLLM's ``/v1/completions`` (the same ``numpy2base64`` tito's ``npy``
@@ -30,7 +32,7 @@ import pytest
 
 from app.tiny.moe import MOE_CONFIG, make_tiny_moe
 from tests.conftest import SharedServers, module_server, start_tito
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, restore_server
 from tests.test_routed_experts_wire import verifiers_decode
 
 pytestmark = pytest.mark.engine
@@ -163,3 +165,19 @@ def test_vllm_npy_form(client: httpx.Client, model: str, hf_model: Any) -> None:
     assert got.dtype == np.uint8 and got.shape == (len(seq) - 1 - 2, LAYERS, TOP_K)
     np.testing.assert_array_equal(got, verifiers_decode(ours["routed_experts"]))
     np.testing.assert_array_equal(np.sort(got, axis=-1), reference(hf_model, seq[:-1])[0][2:])
+
+
+def test_routing_follows_a_weight_update(client: httpx.Client, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Router replay across RL steps: after a weight update (another draw of every tensor, the router's included)
+    the ids are the new router's. The base weights are put back at the end."""
+    import transformers
+
+    step = make_tiny_moe(tmp_path_factory.mktemp("moe-step") / "step-1", seed=99)
+    r = client.post("/update_weights", json={"weight_dir": str(step)})
+    assert r.status_code == 200, r.text
+    try:
+        new = transformers.AutoModelForCausalLM.from_pretrained(step).eval()
+        for prompt in PROMPTS[:2]:
+            check(new, prompt, 0, generate(client, prompt, 0)["choices"][0])
+    finally:
+        restore_server(str(client.base_url))

@@ -42,6 +42,12 @@ the fixes). docs/guides/lora-exactness.md describes them.
    unchanged; so is the config check, past its V2 gate. Eager only: under torch.compile the rows captured were all 0
    (tito refuses that pairing, app/engine/routed_experts.py); no speculative decoding (the step output carries no
    rejected-draft counts here). Installed in the process that builds the engine configuration as well as the worker.
+6. MoE weight updates on CPU (vLLM's reload-correctness tracker, issue 48312; issue 42821 is the same bug on
+   FlashInfer's layouts): the CPU experts prepack their weights into the grouped-GEMM layout once, at the first
+   load; a weight update copies the new checkpoint-layout weights into that storage and never prepacks them again, so
+   every MoE layer computes with garbage after the first update (measured on the tiny MoE: the first MoE layer's
+   routing, which reads no expert weights, followed the update; the second's and the tokens did not). The fix
+   prepacks again after each update, as the first load does.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def install() -> list[str]:
 
     if os.environ.get(ENV, "1") == "0":
         log.warning("%s=0: tito's fixes to vLLM (LoRA prompt logprobs, CPU no-adapter rows, CPU busy wait, AMX "
-                    "permission, routed experts on CPU) are NOT applied", ENV)
+                    "permission, routed experts on CPU, CPU MoE weight updates) are NOT applied", ENV)
         return []
     if not vllm.__version__.startswith(SUPPORTED):
         log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
@@ -86,6 +92,8 @@ def install() -> list[str]:
         _applied.append("cpu-amx-permission")
     if _patch_cpu_routed_experts():
         _applied.append("cpu-routed-experts (vLLM #45635, tpu-inference #3636)")
+    if _patch_cpu_moe_reload():
+        _applied.append("cpu-moe-weight-update (vLLM #48312, #42821)")
     log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
@@ -420,3 +428,32 @@ class _StepBatch:
         self.req_ids = req_ids
         self.query_start_loc_np = query_start_loc_np
         self.num_computed_tokens_np = num_computed_tokens_np
+
+
+# ------------------------------------------------------------------------------------------ 6. CPU MoE updates
+
+
+def _patch_cpu_moe_reload() -> bool:
+    """vLLM issues 48312 / 42821: an unquantized MoE layer's weights in the CPU experts' prepacked layout after an
+    update (vLLM prepacks them at the first load only); on the CPU platform only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    original = UnquantizedFusedMoEMethod.process_weights_after_loading
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        update = getattr(self, "moe_kernel", None) is not None  # vLLM's own test for "a weight update"
+        original(self, layer)
+        if update and self.unquantized_backend == UnquantizedMoeBackend.CPU:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setattr(process_weights_after_loading, _MARK, True)
+    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore
+    return True
