@@ -440,12 +440,18 @@ def _patch_cpu_moe_reload() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as Method
 
-    original = UnquantizedFusedMoEMethod.process_weights_after_loading
-    if getattr(original, _MARK, False):
-        return True
+    if not getattr(Method.process_weights_after_loading, _MARK, False):
+        Method.process_weights_after_loading = _prepacking_again(  # type: ignore[method-assign,assignment]
+            Method.process_weights_after_loading)
+    return True
+
+
+def _prepacking_again(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``process_weights_after_loading`` that, on a weight update, also runs the CPU experts' own (pad and prepack),
+    as the first load does."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
     @functools.wraps(original)
     def process_weights_after_loading(self: Any, layer: Any) -> None:
@@ -455,5 +461,4 @@ def _patch_cpu_moe_reload() -> bool:
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     setattr(process_weights_after_loading, _MARK, True)
-    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore
-    return True
+    return process_weights_after_loading
