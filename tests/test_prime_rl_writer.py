@@ -200,9 +200,7 @@ def test_tied_model_takes_prime_rl_writer_steps(trainer_group, tied_server, shar
         updated = greedy_logprobs(c)
     with httpx.Client(base_url=fresh.url, timeout=120) as c:
         started = greedy_logprobs(c)
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(started, updated, strict=True):
-        assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert started == updated  # tokens and logprobs, bit for bit: the same weights, the same engine
     # The answer says what it skipped: the head's copy, checked equal to the embedding.
     step_dir = tmp_path / "broadcasts" / f"step_{STEPS}"
     r = httpx.post(f"{tied_server.url}/update_weights", json={"weight_dir": str(step_dir), "weight_version": "again"},
