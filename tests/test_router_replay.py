@@ -45,10 +45,13 @@ PROMPTS = [[(7 * i + 3) % 500 + 3 for i in range(37)], [5, 17, 33, 100, 200, 7, 
 @module_server("moe")
 def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
     """The tiny MoE, eager, float32, 32 KV blocks of 32 tokens (the CPU default is 128: prompts of a few dozen tokens
-    fill whole blocks, whose routing vLLM keeps in its block store): a cheap start."""
+    fill whole blocks, whose routing vLLM keeps in its block store): a cheap start. Chunked prefill on (tito's CPU
+    default is off) with 32 tokens a step: a long prompt's routing is captured over several steps, the chunks that
+    sample no token included."""
     model = make_tiny_moe(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe")
     return start_tito(tmp_path_factory, model, "--enable-return-routed-experts", "--enforce-eager",
-                      "--max-model-len", "256", "--block-size", "32", "--num-kv-blocks", "32", name="moe")
+                      "--max-model-len", "256", "--block-size", "32", "--num-kv-blocks", "32",
+                      "--enable-chunked-prefill", "--max-num-batched-tokens", "32", name="moe")
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +118,8 @@ def check(model: Any, prompt: list[int], start: int, choice: dict[str, Any]) -> 
 
 @pytest.mark.parametrize("start", [0, 5])
 def test_routed_experts_are_the_routers_top_k(client: httpx.Client, hf_model: Any, start: int) -> None:
-    """Three prompts at once (one engine step holds them all), every prompt and generated position, both MoE
-    layers; ``routed_experts_prompt_start`` drops the rows before it."""
+    """Three prompts at once (sharing steps, the longest prefilled in two chunks), every prompt and generated
+    position, both MoE layers; ``routed_experts_prompt_start`` drops the rows before it."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = list(pool.map(lambda p: generate(client, p, start), PROMPTS))
     for prompt, answer in zip(PROMPTS, answers, strict=True):
