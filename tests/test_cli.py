@@ -86,19 +86,16 @@ def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.engine
-def test_routed_experts_flag_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
-    """On CPU the flag takes tito's fix to vLLM's CPU runner (served: tests/test_router_replay.py); where it still
-    cannot work the start stops with the reason instead of serving ``routed_experts: null`` (or zeros) to a
-    router-replay trainer: without the fix (``TITO_VLLM_PATCHES=0``: vLLM 0.32 captures only in Model Runner V2)
-    and under torch.compile (the capture measured all zeros). A model without MoE layers: vLLM's own check."""
+def test_routed_experts_flag_is_refused_without_the_fix(tmp_path: Path) -> None:
+    """On CPU the flag takes tito's fix to vLLM's CPU runner (served: tests/test_router_replay.py); without it
+    (``TITO_VLLM_PATCHES=0``: vLLM 0.32 captures only in Model Runner V2) the start stops with the reason instead of
+    serving ``routed_experts: null`` to a router-replay trainer. The other refusals (torch.compile, spawned engine
+    processes, data parallel): tests/test_routed_experts_wire.py."""
     moe = make_tiny_moe(tmp_path / "moe")
-    out = tito("serve", "--model", str(moe), "--enable-return-routed-experts", env={"TITO_VLLM_PATCHES": "0"},
-               timeout=180)
+    out = tito("serve", env={"TITO_MODEL": str(moe), "TITO_ENABLE_RETURN_ROUTED_EXPERTS": "true",
+                             "TITO_VLLM_PATCHES": "0"}, timeout=180)
     assert out.returncode == 2, out.stderr
     assert "needs tito's fix to vLLM's CPU model runner" in out.stderr and "TITO_VLLM_PATCHES=0" in out.stderr
-    out = tito("serve", "--no-enforce-eager", env={"TITO_MODEL": str(moe), "TITO_ENABLE_RETURN_ROUTED_EXPERTS": "true"},
-               timeout=180)
-    assert out.returncode == 2 and "needs --enforce-eager" in out.stderr, out.stderr
 
 
 def test_make_tiny_model(tmp_path: Path) -> None:

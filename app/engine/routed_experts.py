@@ -65,6 +65,12 @@ def routed_experts_refusal(settings: Settings) -> str:
     if settings.enforce_eager is False:
         return ("--enable-return-routed-experts on the CPU platform needs --enforce-eager (tito's CPU default): under "
                 "torch.compile the CPU runner's capture is lost (measured: every id 0).")
+    from app.engine.process_start import fork_refusal
+
+    if why := fork_refusal(settings.engine_start):
+        return ("--enable-return-routed-experts on the CPU platform needs the engine's processes forked "
+                f"(--engine-start fork, the default), which inherit tito's fix; spawned ({why}), vLLM's engine core "
+                "checks the configuration again without it.")
     if settings.data_parallel_size > 1:
         return ("--enable-return-routed-experts on the CPU platform runs with one engine (--data-parallel-size 1): "
                 "the capture across data-parallel ranks has not been run on CPU.")
