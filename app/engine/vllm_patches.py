@@ -41,7 +41,8 @@ the fixes). docs/guides/lora-exactness.md describes them.
    step's output. The scheduler's connector, the block store and ``CompletionOutput.routed_experts`` are vLLM's,
    unchanged; so is the config check, past its V2 gate. Eager only: under torch.compile the rows captured were all 0
    (tito refuses that pairing, app/engine/routed_experts.py); no speculative decoding (the step output carries no
-   rejected-draft counts here). Installed in the process that builds the engine configuration as well as the worker.
+   rejected-draft counts here). Installed in the process that builds the engine configuration and, by fork, in the
+   engine core, which checks the configuration again (spawned, it would not have the fix: tito refuses that too).
 6. MoE weight updates on CPU (vLLM's reload-correctness tracker, issue 48312; issue 42821 is the same bug on
    FlashInfer's layouts): the CPU experts prepack their weights into the grouped-GEMM layout once, at the first
    load; a weight update copies the new checkpoint-layout weights into that storage and never prepacks them again, so
