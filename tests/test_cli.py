@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from app.client import TitoClient
+from app.tiny.moe import make_tiny_moe
 from tests.helpers import ROOT, ServerProcess, free_port, restore_server
 
 COMMANDS = ["serve", "make-tiny-model", "generate", "status", "drain", "undrain", "update-weights", "load-lora",
@@ -85,14 +86,16 @@ def test_serve_reads_flags_from_the_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.engine
-def test_routed_experts_flag_is_refused_at_start_on_cpu(tiny_model: Path) -> None:
-    """vLLM 0.32 captures routed experts only in its GPU model runner: on CPU the flag stops the start with the reason
-    instead of serving ``routed_experts: null`` to a router-replay trainer (docs/guides/lora-exactness.md)."""
-    out = tito("serve", "--model", str(tiny_model), "--enable-return-routed-experts", timeout=180)
+def test_routed_experts_flag_is_refused_without_the_fix(tmp_path: Path) -> None:
+    """On CPU the flag takes tito's fix to vLLM's CPU runner (served: tests/test_router_replay.py); without it
+    (``TITO_VLLM_PATCHES=0``: vLLM 0.32 captures only in Model Runner V2) the start stops with the reason instead of
+    serving ``routed_experts: null`` to a router-replay trainer. The other refusals (torch.compile, spawned engine
+    processes, data parallel): tests/test_routed_experts_wire.py."""
+    moe = make_tiny_moe(tmp_path / "moe")
+    out = tito("serve", env={"TITO_MODEL": str(moe), "TITO_ENABLE_RETURN_ROUTED_EXPERTS": "true",
+                             "TITO_VLLM_PATCHES": "0"}, timeout=180)
     assert out.returncode == 2, out.stderr
-    assert "--enable-return-routed-experts is not supported on the CPU platform" in out.stderr, out.stderr
-    out = tito("serve", env={"TITO_MODEL": str(tiny_model), "TITO_ENABLE_RETURN_ROUTED_EXPERTS": "true"}, timeout=180)
-    assert out.returncode == 2 and "GPU model runner" in out.stderr, out.stderr
+    assert "needs tito's fix to vLLM's CPU model runner" in out.stderr and "TITO_VLLM_PATCHES=0" in out.stderr
 
 
 def test_make_tiny_model(tmp_path: Path) -> None:

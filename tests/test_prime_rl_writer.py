@@ -6,11 +6,13 @@ Each step is written by Prime-RL's filesystem writer, unchanged (``gather_weight
 runs), from a transformers model sharded with FSDP2 over a one-rank gloo group, as its trainer shards it (so the
 DTensors go out in bfloat16, as on GPUs). For a tied model the state dict names the shared tensor twice: the step
 holds ``lm_head.weight`` beside ``model.embed_tokens.weight``. Prime-RL's ``update_weights`` (pause, update, resume)
-applies it; each step's greedy tokens equal a transformers forward on that step's files (the suite's stand-in for a
-fresh engine on them).
+applies it; each step's greedy tokens equal a transformers forward on that step's files, and after the tied model's
+last step the server answers as a fresh engine started on that step's files (tokens and logprobs).
 
 Engine: the tied model gets a server of its own (one start, ~20 CPU-seconds; 16 KV blocks); the untied steps run on
-the shared long-context server, put back at the end.
+the shared long-context server, put back at the end. The fresh engine is started ahead like the shared servers (one
+more start): a subprocess writes the tied model's last step with the same writer and seeds first, and the test checks
+that the step the server took holds the same tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +32,9 @@ import torch
 from safetensors import safe_open
 
 from app.tiny.model import TINY_CONFIG, make_tiny_model
-from tests.helpers import ServerProcess, free_port, metric_value, restore_server
-from tests.prime_rl_src import use_prime_rl
+from tests.conftest import module_server, start_timeout
+from tests.helpers import ROOT, ServerProcess, engine_env, free_port, metric_value, restore_server
+from tests.prime_rl_src import launcher_argv, use_prime_rl
 from tests.rl_steps import GEN, PROMPTS, greedy, reference_greedy
 
 pytestmark = pytest.mark.engine
@@ -90,6 +96,49 @@ def write_step(model: torch.nn.Module, step_dir: Path) -> None:
     (step_dir / "STABLE").touch()
 
 
+def write_last_step(model_dir: str, step_dir: str) -> None:
+    """The tied model's last step as the test writes it (run in a subprocess: its own one-rank gloo group)."""
+    import torch.distributed as dist
+
+    use_prime_rl()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        write_step(trainer_model(Path(model_dir), STEPS), Path(step_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+@module_server("fresh-step")
+def start_fresh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
+    """A fresh engine on the tied model's last step files (``make_tiny_model`` is deterministic: the same base as
+    ``prime_tito``'s), with the command line Prime-RL's launcher builds, as ``prime_tito``."""
+    root = tmp_path_factory.mktemp("fresh-step")
+    base = make_tiny_model(root / "base", tied=True)
+    step_dir = root / f"step_{STEPS}"
+    code = "import sys; from tests.test_prime_rl_writer import write_last_step; write_last_step(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", code, str(base), str(step_dir)], cwd=str(ROOT), check=True, timeout=300,
+                   capture_output=True)
+    model = shutil.copytree(base, root / "model")
+    shutil.copy(step_dir / "model.safetensors", model / "model.safetensors")  # the head's copy included, as written
+    port = free_port()
+    argv = [*launcher_argv(port, model), "--num-kv-blocks", "16"]
+    server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, root / "fresh-step.log",
+                           env=engine_env(None))
+    server.step_dir = step_dir  # type: ignore[attr-defined]
+    return server.start(timeout=start_timeout())
+
+
+def greedy_logprobs(c: httpx.Client) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs."""
+    out = []
+    for p in PROMPTS:
+        r = c.post(GEN, json={"token_ids": p, "sampling_params": {"max_tokens": N, "temperature": 0, "logprobs": 1}})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        out.append((ch["token_ids"], [e["logprob"] for e in ch["logprobs"]["content"]]))
+    return out
+
+
 def reference(step_dir: Path, config: dict, out: Path) -> list[list[int]]:
     """transformers greedy on the step's own files, in float32 (the served dtype)."""
     with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
@@ -139,8 +188,19 @@ def run_steps(server: ServerProcess, tmp: Path) -> list[list[list[int]]]:
     return answers
 
 
-def test_tied_model_takes_prime_rl_writer_steps(trainer_group, tied_server, tmp_path) -> None:
+def test_tied_model_takes_prime_rl_writer_steps(trainer_group, tied_server, shared_servers, tmp_path) -> None:
     run_steps(tied_server, tmp_path)
+    # A fresh engine on the last step's files answers as the server that took the three steps.
+    fresh = shared_servers.get("fresh-step")
+    last = tmp_path / "broadcasts" / f"step_{STEPS}" / "model.safetensors"
+    with safe_open(str(last), "pt") as f, safe_open(str(fresh.step_dir / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in f.keys()), "not the same step"
+    with httpx.Client(base_url=tied_server.url, timeout=120) as c:
+        updated = greedy_logprobs(c)
+    with httpx.Client(base_url=fresh.url, timeout=120) as c:
+        started = greedy_logprobs(c)
+    assert started == updated  # tokens and logprobs, bit for bit: the same weights, the same engine
     # The answer says what it skipped: the head's copy, checked equal to the embedding.
     step_dir = tmp_path / "broadcasts" / f"step_{STEPS}"
     r = httpx.post(f"{tied_server.url}/update_weights", json={"weight_dir": str(step_dir), "weight_version": "again"},

@@ -1,14 +1,14 @@
 """Router replay's wire: ``routed_experts`` as Prime-RL's server sends it (``{"data", "shape", "start", "dtype"}``),
 read by Prime-RL's own client code; vLLM's base64 ``.npy`` with ``--routed-experts-format npy``.
 
-On CPU vLLM's model runner does not capture routed experts (tito refuses the flag there, app/engine/routed_experts.py),
-so the engine's side is vLLM's own capture format (``RoutedExpertsCapturer``'s snapshots: uint8 ``[positions,
+Here the engine's side is vLLM's own capture format (``RoutedExpertsCapturer``'s snapshots: uint8 ``[positions,
 moe_layers, top_k]`` up to 256 experts, uint16 past), handed to the real app by the fake engine. The encoding is
 compared byte for byte with Prime-RL's server encoder (``prime_rl.inference.vllm.routed_experts``, from the source
 snapshot; ``pybase64``, its faster base64, stands in as the standard library's when not installed: the same bytes),
 the answer is parsed by ``renderers``' own ``parse_generate_response`` (its fast path splices ``data`` out before
 the JSON), and decoded as verifiers' ``_attribute_routed_experts`` decodes it (``verifiers`` itself is not installed
-here: its dependency tree is a runtime's; the rule is its three lines, quoted below).
+here: its dependency tree is a runtime's; the rule is its three lines, quoted below). The real engine's capture,
+on CPU with a tiny MoE, against transformers' router: tests/test_router_replay.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.engine.routed_experts import routed_experts_compact
+from app.core.settings import Settings
+from app.engine.routed_experts import routed_experts_compact, routed_experts_refusal
 from tests.fake_engine import FakeEngine
 from tests.prime_rl_src import use_prime_rl
 from tests.test_fast_http import serve
@@ -96,3 +97,24 @@ async def test_vllm_form_on_request_of_the_operator() -> None:
         r = await c.post(GEN, json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["routed_experts"] == numpy2base64(arr)
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    ({}, ""),
+    ({"enable_return_routed_experts": False, "enforce_eager": False}, ""),
+    ({"enforce_eager": False}, "needs --enforce-eager"),
+    ({"engine_start": "spawn"}, "needs the engine's processes forked"),
+    ({"data_parallel_size": 2}, "--data-parallel-size 1"),
+])
+def test_where_the_cpu_cannot_serve_them(flags: dict[str, Any], reason: str, monkeypatch: pytest.MonkeyPatch) \
+        -> None:
+    """On CPU the flag takes tito's fix to vLLM's CPU runner (tests/test_router_replay.py serves it); where the fix
+    does not reach or was not run, the start is refused with the reason (tito serve's exit 2, tests/test_cli.py).
+    (This test process did not start with the LD_PRELOAD ``tito serve`` gives itself: fork is taken as possible.)"""
+    from app.engine import process_start
+
+    real = process_start.fork_refusal
+    monkeypatch.setattr(process_start, "fork_refusal", lambda how: None if how == "fork" else real(how))
+    settings = Settings(**{"enable_return_routed_experts": True, **flags})
+    got = routed_experts_refusal(settings)
+    assert (reason in got and got.startswith("--enable-return-routed-experts")) if reason else got == ""

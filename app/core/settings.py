@@ -86,7 +86,8 @@ class Settings:
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory (default: max_loras).")
     enable_return_routed_experts: bool = flag(
         False, "Return each token's routed MoE experts (vLLM's --enable-return-routed-experts; Prime-RL's router "
-        "replay reads them from `routed_experts`). Needs vLLM's GPU model runner: refused at start on CPU.")
+        "replay reads them from `routed_experts`). On CPU through tito's fix to vLLM's CPU runner: eager, forked "
+        "engine processes, one engine (refused at start otherwise).")
     routed_experts_format: str = flag("prime-rl", "`routed_experts` on /inference/v1/generate: `prime-rl` ({data, shape, start, dtype}, what Prime-RL's server sends and its renderers/verifiers decode) or `npy` (vLLM's base64 .npy).", choices=("prime-rl", "npy"))  # noqa: E501
     lora_keep_versions: int = flag(
         2, "Versioned LoRA names <name>-v<N> (AReaL loads one per step and never unloads): keep the newest N "

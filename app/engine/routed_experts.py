@@ -47,13 +47,31 @@ def routed_experts_wire(experts: Any, start: int, form: str) -> Any:
 
 
 def routed_experts_refusal(settings: Settings) -> str:
-    """Why this platform cannot serve ``--enable-return-routed-experts`` ("" when it can or the flag is off)."""
+    """Why this platform cannot serve ``--enable-return-routed-experts`` ("" when it can or the flag is off). On CPU
+    it takes tito's fix to vLLM's CPU runner (app/engine/vllm_patches.py), installed here in the process that builds
+    the engine configuration."""
     if not settings.enable_return_routed_experts:
         return ""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return ""
-    return ("--enable-return-routed-experts is not supported on the CPU platform: vLLM 0.32 captures routed experts "
-            "only in its GPU model runner (the CPU runner never fills them, so every answer would carry "
-            "routed_experts null). Start without it on CPU; on a GPU machine it is passed to vLLM.")
+    from app.engine.vllm_patches import routed_experts_on_cpu
+
+    if not routed_experts_on_cpu():
+        return ("--enable-return-routed-experts on the CPU platform needs tito's fix to vLLM's CPU model runner "
+                "(vLLM 0.32 captures routed experts only in its GPU Model Runner V2), which is not applied here "
+                "(TITO_VLLM_PATCHES=0, or a vLLM version it was not written for). Start without it, or with the fix.")
+    if settings.enforce_eager is False:
+        return ("--enable-return-routed-experts on the CPU platform needs --enforce-eager (tito's CPU default): under "
+                "torch.compile the CPU runner's capture is lost (measured: every id 0).")
+    from app.engine.process_start import fork_refusal
+
+    if why := fork_refusal(settings.engine_start):
+        return ("--enable-return-routed-experts on the CPU platform needs the engine's processes forked "
+                f"(--engine-start fork, the default), which inherit tito's fix; spawned ({why}), vLLM's engine core "
+                "checks the configuration again without it.")
+    if settings.data_parallel_size > 1:
+        return ("--enable-return-routed-experts on the CPU platform runs with one engine (--data-parallel-size 1): "
+                "the capture across data-parallel ranks has not been run on CPU.")
+    return ""

@@ -5,7 +5,8 @@ the engine core has them too.
 Each fix names the upstream vLLM issue or pull request it stands in for and is applied only on the vLLM versions it
 was written against (``SUPPORTED``): on another version nothing is patched and a warning says so, since the code
 being wrapped may have changed. ``TITO_VLLM_PATCHES=0`` in the server's environment leaves vLLM as it is (to show that
-the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/lora-exactness.md describes them.
+the tests in tests/test_lora_exactness.py and tests/test_router_replay.py fail without
+the fixes). docs/guides/lora-exactness.md describes them.
 
 1. Prompt logprobs under LoRA (vLLM issues 16668 and 17766; 51594 for an ``lm_head`` adapter): vLLM computes a
    request's prompt logits with the LoRA LM head (``LogitsProcessorWithLoRA``) under the step's *sampler* mapping,
@@ -31,6 +32,23 @@ the tests in tests/test_lora_exactness.py fail without the fixes). docs/guides/l
    when ``torch.cpu._is_amx_tile_supported()`` (the CPU's flags only) and never asks, so on an AMX Xeon the worker
    dies of SIGILL at its first forward in bfloat16. The fix asks once per process (PyTorch's ``_init_amx``); the
    permission is inherited by forked children.
+5. Routed experts on CPU (vLLM pull request 45635, which gated ``--enable-return-routed-experts`` on Model Runner V2,
+   and 50721, V2's capture; tpu-inference issue 3636 reports the same gate on TPU): V2 needs Triton, so on the CPU
+   platform vLLM refuses the flag. Its capture itself runs anywhere: the CPU router is a ``BaseRouter``, which hands
+   each MoE layer's top-k ids to a bound capture function. What the CPU (V1) runner lacks is the worker half of
+   vLLM's aux-output connector, which the fix adds as V2 has it: bind the capturer once the KV cache is known, open
+   each step with the scheduler's metadata, snapshot the step's rows after the forward, and hand them back with the
+   step's output. The scheduler's connector, the block store and ``CompletionOutput.routed_experts`` are vLLM's,
+   unchanged; so is the config check, past its V2 gate. Eager only: under torch.compile the rows captured were all 0
+   (tito refuses that pairing, app/engine/routed_experts.py); no speculative decoding (the step output carries no
+   rejected-draft counts here). Installed in the process that builds the engine configuration and, by fork, in the
+   engine core, which checks the configuration again (spawned, it would not have the fix: tito refuses that too).
+6. MoE weight updates on CPU (vLLM's reload-correctness tracker, issue 48312; issue 42821 is the same bug on
+   FlashInfer's layouts): the CPU experts prepack their weights into the grouped-GEMM layout once, at the first
+   load; a weight update copies the new checkpoint-layout weights into that storage and never prepacks them again, so
+   every MoE layer computes with garbage after the first update (measured on the tiny MoE: the first MoE layer's
+   routing, which reads no expert weights, followed the update; the second's and the tokens did not). The fix
+   prepacks again after each update, as the first load does.
 """
 
 from __future__ import annotations
@@ -59,7 +77,7 @@ def install() -> list[str]:
 
     if os.environ.get(ENV, "1") == "0":
         log.warning("%s=0: tito's fixes to vLLM (LoRA prompt logprobs, CPU no-adapter rows, CPU busy wait, AMX "
-                    "permission) are NOT applied", ENV)
+                    "permission, routed experts on CPU, CPU MoE weight updates) are NOT applied", ENV)
         return []
     if not vllm.__version__.startswith(SUPPORTED):
         log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
@@ -73,6 +91,10 @@ def install() -> list[str]:
         _applied.append(f"cpu-worker-busy-wait-{spin_window_s()}s (vLLM #51950, #52814)")
     if request_amx_permission():
         _applied.append("cpu-amx-permission")
+    if _patch_cpu_routed_experts():
+        _applied.append("cpu-routed-experts (vLLM #45635, tpu-inference #3636)")
+    if _patch_cpu_moe_reload():
+        _applied.append("cpu-moe-weight-update (vLLM #48312, #42821)")
     log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
@@ -299,3 +321,145 @@ def request_amx_permission() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu() and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
+# ------------------------------------------------------------------------------------------ 5. routed experts on CPU
+
+
+def routed_experts_on_cpu() -> bool:
+    """Whether this process lets vLLM capture routed experts on the CPU platform (``--enable-return-routed-experts``):
+    the fix below is applied. The config half must be in place where the engine configuration is built (the API
+    process), before ``create_engine_config``: app/engine/engine_setup.py installs it there for the flag."""
+    return any(name.startswith("cpu-routed-experts") for name in install())
+
+
+def _patch_cpu_routed_experts() -> bool:
+    """vLLM pull request 45635 (and 50721) wired router replay into Model Runner V2 only, which needs Triton, and
+    gated ``--enable-return-routed-experts`` on it (the gate tpu-inference issue 3636 reports on TPU). On the CPU
+    platform: the V1 runner drives vLLM's own capture (module docstring, 5)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    check = VllmConfig._verify_aux_output_compatibility
+    if getattr(check, _MARK, False):
+        return True
+
+    @functools.wraps(check)
+    def verify(self: Any) -> None:
+        if not self.aux_output_config.enabled or self.use_v2_model_runner:
+            return check(self)
+        if self.speculative_config is not None:  # the step output below has no rejected-draft counts
+            raise ValueError("--enable-return-routed-experts on the CPU platform does not support speculative "
+                             "decoding")
+        # vLLM's check lets platforms that bring their own runner through; here the CPU runner's capture is this fix.
+        current_platform.is_out_of_tree = lambda: True  # type: ignore[method-assign]
+        try:
+            return check(self)
+        finally:
+            del current_platform.is_out_of_tree
+
+    setattr(verify, _MARK, True)
+    VllmConfig._verify_aux_output_compatibility = verify  # type: ignore[method-assign]
+
+    init_kv, execute, sample = (CPUModelRunner.initialize_kv_cache, CPUModelRunner.execute_model,
+                                CPUModelRunner.sample_tokens)
+
+    @functools.wraps(init_kv)
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, is_profiling: bool = False, **kw: Any) -> None:
+        init_kv(self, kv_cache_config, is_profiling, **kw)
+        if is_profiling or not self.vllm_config.aux_output_config.enabled:
+            return
+        from vllm.distributed.aux_output_connector.worker import get_aux_output_connector
+
+        old = self.__dict__.pop("_tito_aux_output", None)
+        if old is not None:
+            old.close()
+        self._tito_aux_output = get_aux_output_connector(self.get_model(), self.vllm_config, kv_cache_config)
+        self._tito_aux_pending = None
+
+    @functools.wraps(execute)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        connector = self.__dict__.get("_tito_aux_output")
+        if connector is None:
+            return execute(self, scheduler_output, *args, **kwargs)
+        # As Model Runner V2: every step's metadata (new requests, block hashes, finished requests) before its forward.
+        connector.begin_step(scheduler_output.aux_output_connector_metadata)
+        self._tito_aux_pending = None
+        out = execute(self, scheduler_output, *args, **kwargs)
+        if out is None:  # the forward ran; sample_tokens follows. Its rows, in the batch's order, taken now.
+            batch = self.input_batch
+            n = batch.num_reqs
+            self._tito_aux_pending = connector.prepare_output(_StepBatch(
+                req_ids=list(batch.req_ids[:n]),
+                query_start_loc_np=self.query_start_loc.np[:n + 1].copy(),
+                num_computed_tokens_np=batch.num_computed_tokens_cpu[:n].copy()))
+        return out
+
+    @functools.wraps(sample)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = sample(self, *args, **kwargs)
+        pending = self.__dict__.get("_tito_aux_pending")
+        if pending is None:
+            return out
+        self._tito_aux_pending = None
+        import numpy as np
+
+        index = out.req_id_to_index
+        sampled = np.array([len(out.sampled_token_ids[index[r]]) for r in pending.request_ids], dtype=np.int64)
+        pending.enqueue_cpu_copy(sampled, np.zeros_like(sampled))  # no speculative decoding: nothing rejected
+        out.aux_output_connector_output = pending.process_output()
+        return out
+
+    for fn in (initialize_kv_cache, execute_model, sample_tokens):
+        setattr(fn, _MARK, True)
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache  # type: ignore[method-assign,assignment]
+    CPUModelRunner.execute_model = execute_model  # type: ignore[method-assign,assignment]
+    CPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign,assignment]
+    return True
+
+
+class _StepBatch:
+    """What the aux-output connector's ``prepare_output`` reads of Model Runner V2's input batch, from the V1 one."""
+
+    def __init__(self, req_ids: list[str], query_start_loc_np: Any, num_computed_tokens_np: Any) -> None:
+        self.req_ids = req_ids
+        self.query_start_loc_np = query_start_loc_np
+        self.num_computed_tokens_np = num_computed_tokens_np
+
+
+# ------------------------------------------------------------------------------------------ 6. CPU MoE updates
+
+
+def _patch_cpu_moe_reload() -> bool:
+    """vLLM issues 48312 / 42821: an unquantized MoE layer's weights in the CPU experts' prepacked layout after an
+    update (vLLM prepacks them at the first load only); on the CPU platform only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as Method
+
+    if not getattr(Method.process_weights_after_loading, _MARK, False):
+        Method.process_weights_after_loading = _prepacking_again(  # type: ignore[method-assign,assignment]
+            Method.process_weights_after_loading)
+    return True
+
+
+def _prepacking_again(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``process_weights_after_loading`` that, on a weight update, also runs the CPU experts' own (pad and prepack),
+    as the first load does."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        update = getattr(self, "moe_kernel", None) is not None  # vLLM's own test for "a weight update"
+        original(self, layer)
+        if update and self.unquantized_backend == UnquantizedMoeBackend.CPU:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setattr(process_weights_after_loading, _MARK, True)
+    return process_weights_after_loading

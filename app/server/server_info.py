@@ -89,7 +89,7 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             # Served with LoRA too: exact per prompt row under each request's adapter (app/engine/vllm_patches.py).
             "prompt_logprobs": True,
             "min_tokens": not state.limits.min_tokens_refusal,  # refused when an eos id lies outside the vocabulary
-            # --enable-return-routed-experts (refused at start where vLLM cannot capture them: CPU).
+            # --enable-return-routed-experts (refused at start where they cannot be captured: routed_experts.py).
             "routed_experts": s.enable_return_routed_experts,
             "prefix_caching": s.enable_prefix_caching,
             "priority_scheduling": f.priority_scheduling,
