@@ -545,3 +545,15 @@ asyncio.run(main())
         assert marker.exists()
     finally:
         parent.kill()
+
+
+def test_the_native_grpc_server_missing_stops_the_start_before_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--grpc-server native`` (the default) without pygrpc-native installed: tito's app refuses to build, naming the
+    package and the way out, before any engine starts; ``--grpc-server grpcio`` needs only grpcio."""
+    from app.core.settings import Settings
+    from tito.main import _services
+
+    monkeypatch.setitem(sys.modules, "pygrpc_native.aio", None)  # what an install without it finds
+    with pytest.raises(RuntimeError, match=r"needs pygrpc-native.*--grpc-server grpcio"):
+        _services(Settings(grpc_port=50051))
+    assert len(_services(Settings(grpc_port=50051, grpc_server="grpcio"))) == 1

@@ -277,6 +277,12 @@ def _services(settings: Settings) -> list[Any]:
         except ImportError as e:
             raise RuntimeError(f"--grpc-port needs the grpc extra (from a checkout: .venv/bin/pip install -e "
                                f"'.[grpc]'; from a wheel: pip install 'tito[grpc]'): {e}") from e
+        if settings.grpc_server == "native":
+            try:
+                import pygrpc_native.aio  # noqa: F401  (checked before the engine starts, not after)
+            except ImportError as e:
+                raise RuntimeError(f"--grpc-server native (the default) needs pygrpc-native, in the grpc extra "
+                                   f"(pip install 'tito[grpc]'), or use --grpc-server grpcio: {e}") from e
         services.append(GrpcService())
     return services
 
