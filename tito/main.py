@@ -31,6 +31,7 @@ from app.core.settings import Settings
 from app.engine.adapter import Engine
 from app.server.security import install_security
 from app.server.state import AppState
+from app.weights.delta_check import stop_process as stop_staging_process
 
 log = logging.getLogger("tito")
 
@@ -116,6 +117,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 and build.exception() is None:
             build.result().shutdown()
             log.info("engine shut down")
+        stop_staging_process()
 
 
 class BodyLimit(HttpMiddleware):

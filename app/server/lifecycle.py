@@ -17,6 +17,7 @@ import ssl
 import sys
 import threading
 import time
+import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -142,9 +143,13 @@ def exit_now(code: int) -> NoReturn:
         finally:
             done.set()
 
-    threading.Thread(target=handlers, name="tito-exit-handlers", daemon=True).start()
+    runner = threading.Thread(target=handlers, name="tito-exit-handlers", daemon=True)
+    runner.start()
     if not done.wait(EXIT_HANDLERS_S):
-        log.warning("exit handlers still running after %.0fs: exiting without waiting for them", EXIT_HANDLERS_S)
+        frame = sys._current_frames().get(runner.ident or -1)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+        log.warning("exit handlers still running after %.0fs: exiting without waiting for them; the one running:\n%s",
+                    EXIT_HANDLERS_S, where.rstrip())
     log.info("exiting with code %d", code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -47,11 +47,25 @@ async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
         raise ApiError(503, "the staging process died; retry the stage.", headers={"Retry-After": "1"}) from None
     except TimeoutError:
         _PROCESS = None
-        for proc in list((pool._processes or {}).values()):  # the executor offers no way to stop a running call
-            proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        _kill(pool)
         raise ApiError(504, f"checking the delta took over {timeout:g}s (--stage-timeout); retry the stage.") \
             from None
+
+
+def stop_process() -> None:
+    """At shutdown, the staging process is killed, not joined: it holds nothing to keep (a stage in flight fails with
+    the server), and at nice 19 on a busy machine it took longer to leave than the server waits for its exit handlers
+    (it outlived the server)."""
+    global _PROCESS
+    pool, _PROCESS = _PROCESS, None
+    if pool is not None:
+        _kill(pool)
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    for proc in list((pool._processes or {}).values()):  # the executor offers no way to stop a running call
+        proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _digest(rec: DeltaRecord) -> str:
