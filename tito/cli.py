@@ -71,12 +71,6 @@ def cmd_serve(argv: list[str], own_process: bool = False) -> int:
         print(f"tito: model directory {settings.model!r} does not exist "
               f"(make one with: tito make-tiny-model {settings.model})", file=sys.stderr)
         return 2
-    if settings.enable_return_routed_experts:
-        from app.engine.routed_experts import routed_experts_refusal
-
-        if refusal := routed_experts_refusal(settings):
-            print(f"tito: {refusal}", file=sys.stderr)
-            return 2
     try:
         check_frontend(settings)
         check_engine(settings)

@@ -48,7 +48,7 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
         }
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
-    chosen = {
+    return {
         "gpu_memory_utilization": settings.gpu_memory_utilization or 0.3,
         "enforce_eager": True if settings.enforce_eager is None else settings.enforce_eager,
         # A request scheduled for fewer tokens than it holds (a chunked prefill: a long prompt, or recomputing a
@@ -57,7 +57,6 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
         # every prefill and every recompute is scheduled whole (max_num_batched_tokens >= max_model_len).
         "enable_chunked_prefill": False,
     }
-    return chosen
 
 
 def engine_args(settings: Settings) -> Any:
@@ -93,9 +92,10 @@ def engine_args(settings: Settings) -> Any:
         kw["max_cpu_loras"] = settings.max_cpu_loras or settings.max_loras
     if settings.enable_return_routed_experts:
         from app.engine.routed_experts import routed_experts_refusal
+        from app.engine.vllm_args import ServeArgsError
 
         if refusal := routed_experts_refusal(settings):
-            raise ValueError(refusal)
+            raise ServeArgsError(refusal)  # tito's own refusal, not vLLM's (check_engine says it as is)
         kw["enable_return_routed_experts"] = True
     if settings.weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": settings.weight_transfer_backend}
@@ -125,6 +125,8 @@ def check_engine(settings: Settings) -> None:
 
     try:
         engine_args(settings).create_engine_config()
+    except ServeArgsError:
+        raise
     except ValidationError as e:
         raise ServeArgsError("vLLM refuses the engine arguments: " + "; ".join(
             str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors())) from None
