@@ -106,6 +106,32 @@ def test_make_tiny_model(tmp_path: Path) -> None:
     assert cfg["vocab_size"] == 512 and (tmp_path / "m" / "model.safetensors").stat().st_size > 0
 
 
+def test_make_tiny_model_writes_the_shape_asked_for(tmp_path: Path) -> None:
+    """--shape qwen3-0.6b: Qwen3-0.6B's architecture (the seed's run and the benchmarks serve it), every tensor of
+    that shape in bf16, the head tied (no lm_head.weight), a tokenizer beside it."""
+    from safetensors import safe_open
+
+    out = tito("make-tiny-model", str(tmp_path / "m"), "--shape", "qwen3-0.6b", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"qwen3-0.6b-shaped model in {tmp_path / 'm'}"
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                                "torch_dtype")} == {
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16"}
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    assert dtypes == {"BF16"} and "lm_head.weight" not in shapes
+    assert shapes["model.embed_tokens.weight"] == (151936, 1024)
+    assert shapes["model.layers.27.self_attn.k_proj.weight"] == (8 * 128, 1024)
+    assert shapes["model.layers.27.mlp.down_proj.weight"] == (1024, 3072)
+    assert len(shapes) == 2 + 28 * 11
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+
+
 def test_client_commands_report_a_dead_server_clearly() -> None:
     out = tito("generate", "--tokens", "1,2", "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "3")
     assert out.returncode == 1 and out.stderr.startswith("tito: POST /inference/v1/generate: no answer")

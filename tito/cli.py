@@ -110,8 +110,8 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
         return 0
     from app.tiny.model import make_tiny_model
 
-    out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force, tokenizer=not ns.no_tokenizer)
-    print(f"tiny model in {out}")
+    out = make_tiny_model(ns.dir, seed=ns.seed, force=ns.force, tokenizer=not ns.no_tokenizer, shape=ns.shape)
+    print(f"{'tiny' if ns.shape == 'tiny' else ns.shape + '-shaped'} model in {out}")
     return 0
 
 
@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
     m.add_argument("--no-tokenizer", action="store_true",
                    help="Weights and config only (default: also a byte-level BPE tokenizer with a chat template).")
+    m.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"],
+                   help="The architecture: tiny (default, float32), or a Qwen3 size's own (layers, widths, heads, "
+                   "vocabulary 151,936, context 40,960, tied head) with random bf16 weights, for benchmarks and the "
+                   "seed's run at the shapes users train (0.6b: 1.2 GB, 1.7b: 3.4 GB, 4b: 8 GB, in 2 GB shards).")
     m.add_argument("--vlm", action="store_true", help="Write a tiny vision-language model (Idefics3, with its "
                    "processor and tokenizer) for multimodal requests instead.")
     m.set_defaults(func=cmd_make_tiny_model)
