@@ -424,7 +424,7 @@ def test_prime_style_run_through_the_frontend(
     assert want3[:3] == _reference(sd3, root / "ref-3") and _direct(b) == want3
     with Load(fe, _texts(fe)) as load:
         load.more(20, "step-3 traffic through the frontend")
-    load.check("step 3 after the restart")
+    load.check("step 3 (a weight directory)")
     r = httpx.post(fe.url + GEN, json={"model": MODEL, "token_ids": PROMPTS[0], "sampling_params": {
         "max_tokens": 4, "temperature": 0}}, timeout=60)
     assert r.status_code == 200

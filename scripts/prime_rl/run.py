@@ -245,17 +245,21 @@ class PrimeRun:
         return self.results(wall)
 
     def served_step(self) -> int | None:
-        """The step every admin URL serves (the least of them), None while one does not answer."""
+        """The step every admin URL serves from this run's broadcasts (the least of them), by the weight record in
+        its ``/server_info`` (a label such as ``step_1`` alone could be another run's); None while one does not."""
+        assert self.run_dir is not None
+        broadcasts = (self.run_dir / "broadcasts").resolve()
         steps = []
         for url in self.admin_urls:
             try:
-                v = httpx.get(url + "/weight_info", timeout=5).json().get("weight_version")
+                state = httpx.get(url + "/server_info", timeout=10).json().get("state") or {}
             except (httpx.HTTPError, ValueError):
                 return None
-            m = re.fullmatch(r"step_(\d+)", str(v))
-            if m is None:
+            weights = ((state.get("weight_record") or {}).get("record") or {}).get("weights") or {}
+            where = Path(weights.get("dir") or "/")
+            if where.parent != broadcasts or not re.fullmatch(r"step_\d+", where.name):
                 return None
-            steps.append(int(m.group(1)))
+            steps.append(int(where.name.split("_")[1]))
         return min(steps) if steps else None
 
     def tail(self, name: str, n: int = 4000) -> str:
