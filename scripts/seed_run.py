@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +45,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.dynamo.sidecar import free_system_port  # noqa: E402
 from scripts.prime_rl.run import PrimeRun, free_port, prime_rl_missing  # noqa: E402
 
 PY = sys.executable
@@ -59,21 +58,6 @@ def _dyn_env(kv: Path) -> dict[str, str]:
             "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1",
             "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
             "DYN_SYSTEM_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1", "DYN_LOG": "warn"}
-
-
-def _system_port() -> int:
-    """The sidecar reads DYN_SYSTEM_PORT as a signed 16-bit number: a free port below 32768 (the kernel's own free
-    ports, the ephemeral range, usually lie above it)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
 
 
 class Stack:
@@ -105,7 +89,7 @@ class Stack:
                "--logprobs-mode", "processed_logprobs", *a.tito_arg]
         if dynamo:
             cmd += ["--grpc-port", str(free_port()), "--block-size", "32", "--kv-events-port", "0",
-                    "--dynamo-namespace", NS, "--dynamo-system-port", str(_system_port())]
+                    "--dynamo-namespace", NS, "--dynamo-system-port", str(free_system_port())]
         self.tito = self._start("tito", cmd, env)
         if dynamo:
             fe, rl = free_port(), free_port()
