@@ -207,10 +207,10 @@ def main() -> int:
                    "default) or Dynamo's frontend, whose /inference/v1/generate in Dynamo 1.6.1 refuses Prime-RL's "
                    "requests (400: sampling_params.cache_salt, top_k=-1, min_p=0; see docs/guides/prime-rl.md).")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-inflight", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64, help="Completion tokens per rollout.")
+    p.add_argument("--max-inflight", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48, help="Completion tokens per rollout.")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", type=Path, default=None, help="Output directory (default: a new temporary one).")
     p.add_argument("--tito-arg", action="append", default=[], help="One more argument for tito serve (repeatable).")

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PRIME_RL_SRC = Path(os.environ.get("TITO_PRIME_RL_SRC", ROOT.parent / "shared" / "thirdparty" / "prime-rl"))
 PRIME_RL_VENV = Path(os.environ.get("TITO_PRIME_RL_VENV", Path.home() / ".cache" / "tito" / "venv-prime-rl"))
-TASKSET = "tito-vowels"
+TASKSET = "tito-even"
 
 
 BUILD_TIMEOUT = 1800.0  # s: Prime-RL's venv being built in the background by `make test` (a fresh machine downloads it)

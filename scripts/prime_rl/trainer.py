@@ -13,8 +13,8 @@ What it does not do as Prime-RL does: the loss. Each step is one real AdamW step
 policy gradient (``-advantage * ratio`` over the loss mask, each packed sample forwarded on its own), with no
 clipping, KL or entropy terms; the checkpointing, metrics server and W&B logging are left out.
 
-The trainer keeps computing on the weights as written (Prime-RL's writer saves them in bf16; a float32 model's weights
-are rounded to those values after each broadcast). It also records, per step, what tito must reproduce
+The trainer keeps float32 weights and computes on them as written (Prime-RL's writer saves them in bf16; they are
+rounded to those values after each broadcast). It also records, per step, what tito must reproduce
 (``<output_dir>/tito-trainer/step_<k>.json``): the largest gap
 between the logprobs tito returned with the batch and the trainer's own logprobs of the same tokens under the
 weights the rollout was sampled from (when those are the trainer's current weights), and the trainer's greedy tokens
@@ -79,8 +79,10 @@ def main() -> int:
     torch.manual_seed(0)
 
     model_dir = model_dir or config.model.name  # the served name need not be a directory here
-    dtype = _checkpoint_dtype(Path(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+    # float32 weights, as Prime-RL's trainer keeps its (sharded) master weights; its writer saves them in bf16. A bf16
+    # model here would hand that writer a tied head that shares the embedding's memory, which safetensors refuses.
+    dtype = torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.train()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=0.0)
@@ -159,8 +161,7 @@ def _as_written(model: Any) -> None:
 
     with torch.no_grad():
         for p in model.parameters():
-            if p.dtype != torch.bfloat16:
-                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
 def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -173,13 +174,6 @@ def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]
-
-
-def _checkpoint_dtype(model_dir: Path) -> Any:
-    import torch
-
-    name = json.loads((model_dir / "config.json").read_text()).get("torch_dtype", "float32")
-    return getattr(torch, name)
 
 
 def _record(path: Path, data: dict[str, Any]) -> None:
