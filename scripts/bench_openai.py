@@ -210,7 +210,7 @@ def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case]
                 print(f"round {r + 1}: {system} {case.name}: {this[case.name]}", file=sys.stderr, flush=True)
             if ns.update and system != "vllm":
                 this["update"] = update(server.url, server.proc.pid, model)
-                print(f"round {r + 1}: tito update: {this['update']}", file=sys.stderr, flush=True)
+                print(f"round {r + 1}: {system} update: {this['update']}", file=sys.stderr, flush=True)
         finally:
             server.kill()
         out[system] = this
@@ -250,9 +250,11 @@ def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
     starts = {s: [r[s]["start_s"] for r in rounds if s in r] for s in SYSTEMS}
     lines.append("")
     lines.append("Seconds to healthy: " + "; ".join(f"{s} {spread(v)}" for s, v in starts.items() if v))
-    ups = [r["tito"]["update"] for r in rounds if "update" in r.get("tito", {})]
-    if ups:
-        lines += ["", "| tito full update from disk | min / median / max |", "|---|---|"]
+    for system in SYSTEMS:
+        ups = [r[system]["update"] for r in rounds if "update" in r.get(system, {})]
+        if not ups:
+            continue
+        lines += ["", f"| {system}: full update from disk | min / median / max |", "|---|---|"]
         for k, label in (("update_s", "`/update_weights` seconds"), ("pause_to_resume_s", "pause to resume, seconds"),
                          ("longest_gap_s", "longest gap a streaming client saw, seconds"),
                          ("peak_above_gb", "peak memory above before, GB (server and engine processes)"),
