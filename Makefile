@@ -17,7 +17,8 @@ SHAPE  ?=
 # (and transformers then cannot import any model class); text models need none of them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: serve dynamo test lint unit bench install model model-check clean help trainers trainers-bg areal areal-bg
+.PHONY: serve dynamo test lint unit bench install model model-check clean help trainers trainers-bg areal areal-bg \
+	prime-rl prime-rl-bg seed-run
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
@@ -36,6 +37,9 @@ help:
 	@echo "               BASE=<commit or checkout>: the working tree against it in the same run (A/B, rounds alternated)"
 	@echo "               SHAPE=qwen3-0.6b|qwen3-1.7b|qwen3-4b: instead, that random model (models/<shape>): tito and"
 	@echo "               vLLM's server at their defaults under vLLM's own client, and a full weight update"
+	@echo "make seed-run - Prime-RL's orchestrator, unchanged, finding tito through Dynamo: 3 steps at Qwen3-0.6B's shape"
+	@echo "               (OUT=dir, MODEL=dir, SEED_ARGS=...; scripts/seed_run.py --help)"
+	@echo "make prime-rl - the venv of Prime-RL's orchestrator (PRIME_RL_VENV=$(PRIME_RL_VENV)), for seed-run and the tests"
 	@echo "make clean   - remove the venv, models/, results/, site/ and the caches"
 
 # Installs go through uv (scripts/uv_pip.py: the sources and constraints pip is configured with): from nothing, the
@@ -112,6 +116,18 @@ AREAL_IMPORTS := torch, areal.engine.vllm_remote, areal.engine.core.distributed
 AREAL_NAME    := AReaL
 $(eval $(call client_venv,areal,AREAL))
 
+# Prime-RL's orchestrator, env-server and launcher from its source snapshot, and tito's stand-in trainer, for
+# `make seed-run` and tests/test_prime_rl_orchestrator.py: Prime-RL needs Python 3.12 (~=3.12), so torch is PyPI's CUDA
+# build, as for SkyRL's venv. The imports: Prime-RL's modules run with the stand-ins first on the path.
+PRIME_RL_SRC      ?= $(abspath ../shared/thirdparty/prime-rl)
+export TITO_PRIME_RL_SRC := $(PRIME_RL_SRC)
+PRIME_RL_VENV     ?= $(HOME)/.cache/tito/venv-prime-rl
+PRIME_RL_PYTHON   ?= $(TRAINERS_PYTHON)
+PRIME_RL_REQS     := tests/trainer_clients/prime-rl-requirements.txt
+PRIME_RL_IMPORTS  := sys; sys.path[:0] = ['scripts/prime_rl/standins', '$(PRIME_RL_SRC)/src', '$(PRIME_RL_SRC)/packages/prime-rl-configs/src']; import sitecustomize, prime_rl.orchestrator.orchestrator, prime_rl.entrypoints.env_server, prime_rl.entrypoints.rl, prime_rl.trainer.rl.data, prime_rl.transports.weights.filesystem
+PRIME_RL_NAME     := Prime-RL
+$(eval $(call client_venv,prime-rl,PRIME_RL))
+
 install: $(VENV)/.installed-cpu
 
 $(TINY_MODEL)/config.json: | $(VENV)/.installed-cpu
@@ -156,7 +172,7 @@ unit: $(VENV)/.installed-test
 
 # Lint runs beside the suite, not before it (~2 minutes of one core from a clean clone, mostly mypy without its
 # cache; the suite leaves a quarter of two cores idle): its report is printed after the suite's, and fails the run.
-test: trainers-bg areal-bg $(VENV)/.installed-test $(MODEL_READY)
+test: trainers-bg areal-bg prime-rl-bg $(VENV)/.installed-test $(MODEL_READY)
 	@echo "make lint: running beside the tests (log: .lint.log)"
 	@( $(MAKE) --no-print-directory lint > .lint.log 2>&1; echo $$? > .lint.rc ) & \
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; wait; \
@@ -181,6 +197,13 @@ bench: $(VENV)/.installed-test $(MODEL_READY)
 	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 endif
+
+# The seed's run: Prime-RL's orchestrator, unchanged, finding tito through Dynamo, 3 steps at Qwen3-0.6B's shape
+# (scripts/seed_run.py; docs/guides/prime-rl-orchestrator.md). OUT=dir keeps the output (default: a temporary one);
+# MODEL=dir another model; SEED_ARGS=... more flags (--route http: straight at tito, no Dynamo).
+SEED_ARGS ?=
+seed-run: $(VENV)/.installed-dynamo prime-rl
+	$(BIN)/python scripts/seed_run.py $(if $(OUT),--out $(OUT)) $(if $(filter-out $(TINY_MODEL),$(MODEL)),--model $(MODEL)) $(SEED_ARGS)
 
 clean:
 	rm -rf $(VENV) models results site .pytest_cache .mypy_cache .ruff_cache .lint.log .lint.rc

@@ -4,8 +4,6 @@ discovery, TCP request plane, ZMQ event plane, everything on loopback)."""
 
 from __future__ import annotations
 
-import random
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +15,10 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from app.dynamo.sidecar import dynamo_available  # noqa: F401 - the test modules' skip condition
+from app.dynamo.sidecar import (
+    dynamo_available,  # noqa: F401 - the test modules' skip condition
+    free_system_port,
+)
 from app.grpc.proto import vllm_control_pb2_grpc as cpb_grpc
 from app.grpc.proto import vllm_inference_pb2 as ipb
 from app.grpc.proto import vllm_inference_pb2_grpc as ipb_grpc
@@ -157,18 +158,7 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
 
 
 def system_port() -> int:
-    """A free port the sidecar accepts as DYN_SYSTEM_PORT: it reads the value as a signed 16-bit number, and the
-    kernel's own free ports (the ephemeral range) usually lie above 32767."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
+    return free_system_port()
 
 
 def dynamo_kv_dir(basetemp: Path) -> Path:

@@ -365,14 +365,13 @@ def _reference(sd: dict[str, Any], root: Path) -> list[list[int]]:
     return list(reference_greedy(sd, root, PROMPTS[:3], MAX_TOKENS))
 
 
-def test_prime_style_run_with_a_replica_sigkilled_and_restarted_between_steps(
+def test_prime_style_run_through_the_frontend(
         fleet: dict[str, Any], replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> None:
     """Step 1: a weight directory (Prime-RL's disk update, pause/update/resume) on both. Step 2: a delta staged and
-    committed (Prime-RL's stage/commit) on both. Then b's whole process group is SIGKILLed under load (the frontend
-    migrates its in-flight requests) and restarted with the same command line: b restores step 2 from its record
-    (the step-1 directory plus its copy of the delta) before it is ready or in discovery. Step 3 after it. Every
-    answer through the frontend is the step's greedy answer (transformers on the step's weights for three prompts,
-    the replica that never restarted for all)."""
+    committed (Prime-RL's stage/commit) on both; b's record holds it. Step 3: a directory again. Every answer through
+    the frontend is the step's greedy answer (transformers on the step's weights for three prompts, the other replica
+    for all). A replica SIGKILLed and restarted between steps: the next test, under Prime-RL's own orchestrator (the
+    restore of a record with a delta: tests/test_weight_record.py)."""
     from tests.test_weights import write_step
 
     a, b = replicas
@@ -412,28 +411,8 @@ def test_prime_style_run_with_a_replica_sigkilled_and_restarted_between_steps(
     assert rec["weights"]["dir"] == str((root / "step_1").resolve())
 
     with Load(fe, _texts(fe)) as load:
-        load.more(10, "step-2 traffic through the frontend")
-        t0 = time.monotonic()
-        b.kill()  # SIGKILL to b's process group: tito, its EngineCore, its sidecar
-        load.more(10, "traffic served by a alone")
-        b.start(timeout=300)  # the same command line, as Kubernetes restarts a container
-        started_s = time.monotonic() - t0
-        info = _info(b)
-        assert info["state"]["weight_version"] == "step_2", info["state"]["weight_record"]
-        assert info["state"]["weight_record"]["restored"]["deltas"] == 1
-        wait_for(lambda: b.url in _instances(rl_url), 120, "b back in discovery")
-        served = _served(b)
-        wait_for(lambda: _served(b) >= served + 3, 120, "b to serve again", 0.5)
-        recover_s = time.monotonic() - t0
-        load.more(10, "more step-2 traffic")
-    assert _direct(b) == want2  # the restarted replica answers as the one that never restarted
-    r = httpx.post(b.url + GEN, json={"token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 4}}, timeout=60)
-    assert r.json()["choices"][0]["weight_versions"] == [{"version": "step_2", "start": 0, "end": 4}]
-    control = httpx.post(child_system_url(b) + "/engine/control/get_weight_version", json={}, timeout=30)
-    assert control.status_code == 200 and control.json() == {"weight_version": "step_2"}  # what Dynamo's RL routes say
-    print(f"FLEET restart: b up (weights restored) {started_s:.1f}s after SIGKILL, serving through the frontend "
-          f"after {recover_s:.1f}s")
-    load.check("SIGKILL of b's process group + restart (same command line)", recover_s)
+        load.more(20, "step-2 traffic through the frontend")
+    load.check("step 2 (a staged delta) on both replicas")
 
     sd3 = tiny_state_dict(303)
     write_step(root / "step_3", sd3)
@@ -445,7 +424,76 @@ def test_prime_style_run_with_a_replica_sigkilled_and_restarted_between_steps(
     assert want3[:3] == _reference(sd3, root / "ref-3") and _direct(b) == want3
     with Load(fe, _texts(fe)) as load:
         load.more(20, "step-3 traffic through the frontend")
-    load.check("step 3 after the restart")
+    load.check("step 3 (a weight directory)")
     r = httpx.post(fe.url + GEN, json={"model": MODEL, "token_ids": PROMPTS[0], "sampling_params": {
         "max_tokens": 4, "temperature": 0}}, timeout=60)
     assert r.status_code == 200
+
+
+def test_prime_rl_orchestrator_with_a_replica_sigkilled_between_steps(
+        fleet: dict[str, Any], replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prime-RL's own processes, unchanged, from its source snapshot: its launcher writes the configs, its env-server
+    and orchestrator run them (scripts/prime_rl/run.py); tito's stand-in trainer takes the trainer's place with
+    Prime-RL's batch receiver and checkpoint writer. Its admin URLs are the two replicas Dynamo's RL discovery lists;
+    its rollouts go to a (Dynamo 1.6.1's frontend refuses every request Prime-RL makes: docs/guides/prime-rl.md).
+    2 steps, Prime-RL's off-policy bound at 0 (a batch trains only on rollouts of the step's own weights). Once the
+    startup weights (step 0) are on both, b's whole process group is SIGKILLed and restarted with the same command
+    line while the orchestrator runs on: b comes back at step 0 from its record, then takes step 1 from the
+    orchestrator like a. Checked: the orchestrator exits 0 after both steps with no failed rollout; every rollout of
+    step k was sampled from v{k-1} and its logprobs are the trainer's own on those weights (1e-4: tito generated it
+    with exactly the weights the orchestrator accounts it to); after each update both replicas' greedy answer to a
+    probe is the trainer's on the weights it wrote; a never restarted; b serves the last step the orchestrator
+    applied."""
+    from scripts.prime_rl.run import PrimeRun, prime_rl_missing
+
+    if (why := prime_rl_missing()) is not None:
+        pytest.skip(why)
+    a, b = replicas
+    rl_url = fleet["rl"]
+    wait_for(lambda: len(rl_workers(rl_url)) == 2, 60, "both replicas in discovery")
+    admins = sorted(_instances(rl_url))
+    assert admins == sorted(r.url for r in replicas)
+    a_pid = a.proc.pid
+    run = PrimeRun(tmp_path_factory.mktemp("prime-rl-run"), model_dir(a), MODEL, a.url + "/v1", admins, steps=2,
+                   max_off_policy_steps=0, lr=1e-3, timeout=900)
+    probes: dict[int, list[list[int]]] = {}
+    restart: dict[str, float] = {}
+
+    def on_version(k: int) -> None:
+        want = run.trainer_record(k)
+        probes[k] = [_probe(r, want["probe"], len(want["probe_greedy"])) for r in replicas]
+        assert probes[k] == [want["probe_greedy"]] * 2, (k, probes[k], want["probe_greedy"])
+        if k == 0:  # between the startup weights and step 1's: SIGKILL b's process group, the same command again
+            t0 = time.monotonic()
+            b.kill()
+            b.start(timeout=300)
+            restart["up_s"] = time.monotonic() - t0
+            assert _info(b)["state"]["weight_version"] == "step_0", _info(b)["state"]["weight_record"]
+            wait_for(lambda: b.url in _instances(rl_url), 120, "b back in discovery")
+            restart["discovery_s"] = time.monotonic() - t0
+
+    res = run.run(on_version=on_version)
+    assert res["orchestrator_exit"] == 0, run.tail("orchestrator")
+    assert [s["step"] for s in res["steps_logged"]] == [1, 2], run.tail("orchestrator")
+    assert all(s["error"] == 0 for s in res["steps_logged"]) and res["failed_rollouts"] == 0
+    # v0 and v1 at least (v2 too when the trainer's last step lands before the orchestrator stops watching)
+    assert {0, 1} <= set(probes) and restart, "the updates seen on both replicas, b restarted in between"
+    for step in (1, 2):
+        spans = res["effective_policy_versions"][step]
+        assert len(spans) == 8 and all(s == [step - 1, step - 1] for s in spans), (step, spans)
+        gap = res["trainer"][step]["max_logprob_gap"]
+        assert gap < 1e-4, f"step {step}: tito's logprobs {gap} from the trainer's on v{step - 1}"
+    assert a.proc.pid == a_pid and a.proc.poll() is None  # one restart in all: b's
+    for r in replicas:
+        assert httpx.get(r.url + "/weight_info", timeout=30).json() == {"weight_version": f"step_{max(probes)}"}
+    print(f"FLEET restart: b up (step 0 restored) {restart['up_s']:.1f}s after SIGKILL, back in discovery after "
+          f"{restart['discovery_s']:.1f}s; Prime-RL's run: {res['rollouts']} rollouts, rewards "
+          f"{[s['reward'] for s in res['steps_logged']]}, logprob gaps "
+          f"{[r['max_logprob_gap'] for r in res['trainer'][1:]]}")
+
+
+def _probe(r: ServerProcess, prompt: list[int], n: int) -> list[int]:
+    out = httpx.post(r.url + GEN, timeout=300, json={"model": MODEL, "token_ids": prompt, "sampling_params": {
+        "max_tokens": n, "temperature": 0, "ignore_eos": True}})
+    assert out.status_code == 200, out.text
+    return list(out.json()["choices"][0]["token_ids"])

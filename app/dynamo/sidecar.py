@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import sys
 
@@ -49,6 +50,21 @@ def admin_base_url(settings: Settings) -> str:
     wildcard = settings.host in ("0.0.0.0", "::", "")
     host = socket.gethostname() if wildcard else settings.host
     return (settings.dynamo_admin_base_url or f"http://{_url_host(host)}:{settings.port}").rstrip("/")
+
+
+def free_system_port() -> int:
+    """A free port the sidecar accepts as DYN_SYSTEM_PORT: Dynamo reads it as a signed 16-bit number, and the kernel's
+    own free ports (the ephemeral range) usually lie above 32767."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, MAX_SYSTEM_PORT + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {MAX_SYSTEM_PORT + 1}")
 
 
 def sidecar_command(settings: Settings, environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:

@@ -1,0 +1,204 @@
+"""A stand-in for Prime-RL's trainer process on a CPU: what the orchestrator sees is Prime-RL's own.
+
+Prime-RL's trainer (``prime_rl.trainer.rl.train``) moves every tensor to CUDA unconditionally, so it cannot run here.
+This process takes its place with Prime-RL's own parts wherever the orchestrator can see the difference:
+
+- its config: ``trainer @ trainer.json``, the file Prime-RL's ``rl`` launcher writes, parsed by Prime-RL's
+  ``TrainerConfig`` (output directory, max steps, rollout transport, weight broadcast, learning rate);
+- its batches: Prime-RL's ``DataLoader`` over Prime-RL's micro-batch receiver (ZMQ or filesystem, as configured);
+- its weights: Prime-RL's ``FileSystemWeightBroadcast`` (HF names, ``STABLE`` marker), step 0 at start-up and each
+  step after its optimizer step, on an FSDP2-sharded model as Prime-RL shards it.
+
+What it does not do as Prime-RL does: the loss. Each step is one real AdamW step on CPU of a plain importance-weighted
+policy gradient (``-advantage * ratio`` over the loss mask, each packed sample forwarded on its own), with no
+clipping, KL or entropy terms; the checkpointing, metrics server and W&B logging are left out.
+
+The trainer keeps computing on the weights as written (Prime-RL's writer saves them in bf16; a float32 model's weights
+are rounded to those values after each broadcast). It also records, per step, what tito must reproduce
+(``<output_dir>/tito-trainer/step_<k>.json``): the largest gap
+between the logprobs tito returned with the batch and the trainer's own logprobs of the same tokens under the
+weights the rollout was sampled from (when those are the trainer's current weights), and the trainer's greedy tokens
+for a probe prompt under the weights it just wrote, so a run can check that tito serves exactly that step.
+
+    python scripts/prime_rl/trainer.py @ <run>/configs/trainer.json [--model-dir DIR] [--probe-tokens 1,2,3]
+        [--probe-len 8]
+
+``--model-dir``: where the model's files are when ``model.name`` (the name Prime-RL's configs share with the served
+model, which its launcher requires to be the same for trainer and orchestrator) is not a directory here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROBE = [1, 17, 300, 42, 9, 5]
+
+
+def _pop_option(argv: list[str], name: str, default: str) -> str:
+    if name in argv:
+        at = argv.index(name)
+        value = argv[at + 1]
+        del argv[at:at + 2]
+        return value
+    return default
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    probe = [int(t) for t in _pop_option(argv, "--probe-tokens", ",".join(map(str, PROBE))).split(",")]
+    probe_len = int(_pop_option(argv, "--probe-len", "8"))
+    model_dir = _pop_option(argv, "--model-dir", "")
+    sys.argv = [sys.argv[0], *argv]
+
+    import torch
+    import torch.distributed as dist
+    from prime_rl.configs.trainer import TrainerConfig
+    from prime_rl.trainer.rl.data import DataLoader
+    from prime_rl.transports.weights.filesystem import FileSystemWeightBroadcast
+    from prime_rl.utils.config import cli
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    config = cli(TrainerConfig)
+    if config.weight_broadcast.type != "filesystem":
+        print(f"stand-in trainer: weight_broadcast.type={config.weight_broadcast.type!r}: only the filesystem "
+              "broadcast runs on a CPU", file=sys.stderr)
+        return 2
+    out = Path(config.output_dir)
+    records = out / "tito-trainer"
+    records.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+
+    model_dir = model_dir or config.model.name  # the served name need not be a directory here
+    dtype = _checkpoint_dtype(Path(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+    model.train()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=0.0)
+    broadcast = FileSystemWeightBroadcast(out, config.weight_broadcast)
+    _log(f"model {model_dir} ({dtype}), lr {config.optim.lr}, max_steps {config.max_steps}, "
+         f"rollouts over {config.rollout_transport.type}")
+
+    t = time.perf_counter()
+    broadcast.broadcast_weights(model, step=0)  # the startup policy, as Prime-RL's trainer broadcasts v0
+    _as_written(model)
+    _record(records / "step_0.json", {"step": 0, "write_s": time.perf_counter() - t,
+                                       "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+    _log("wrote step 0")
+
+    loader = DataLoader(out, 1, 1, config.rollout_transport)
+    step = 1
+    while config.max_steps is None or step <= config.max_steps:
+        t0 = time.perf_counter()
+        loader.wait_for_batch()
+        micro_batches = loader.get_batch()
+        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stats = _train_step(model, optimizer, micro_batches)
+        trained = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        broadcast.broadcast_weights(model, step=step)
+        _as_written(model)
+        written = time.perf_counter() - t2
+        _record(records / f"step_{step}.json", {
+            "step": step, "wait_s": waited, "train_s": trained, "write_s": written, **stats,
+            "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+        _log(f"step {step}: {stats['samples']} samples, {stats['loss_tokens']} loss tokens, loss {stats['loss']:.4f}, "
+             f"logprob gap to tito {stats['max_logprob_gap']:.2e}; wrote step {step}")
+        step += 1
+    dist.destroy_process_group()
+    return 0
+
+
+def _train_step(model: Any, optimizer: Any, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer step over every micro batch: each packed sample forwarded on its own (the model's attention
+    would otherwise cross samples), loss -advantage * exp(logp - logp.detach()) over the loss mask, tokens averaged.
+    The gap to tito: |trainer logprob - inference logprob| before the step, over the loss mask."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    total_tokens = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
+    loss_sum = 0.0
+    gap = 0.0
+    samples = 0
+    for mb in micro_batches:
+        start = 0
+        for length in mb["sequence_lengths"]:
+            sl = slice(start, start + length)
+            start += length
+            samples += 1
+            ids = mb["input_ids"][:, sl]
+            mask = mb["loss_mask"][:, sl][:, 1:]
+            if not mask.any():
+                continue
+            logits = model(input_ids=ids).logits[:, :-1].float() / mb["temperatures"][:, sl][:, 1:, None]
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            gap = max(gap, float((logp.detach() - mb["inference_logprobs"][:, sl][:, 1:])[mask].abs().max()))
+            ratio = torch.exp(logp - logp.detach())
+            loss = -(mb["advantages"][:, sl][:, 1:] * ratio)[mask].sum() / max(total_tokens, 1)
+            loss.backward()
+            loss_sum += float(loss.detach())
+    optimizer.step()
+    return {"samples": samples, "loss_tokens": total_tokens, "loss": loss_sum, "max_logprob_gap": gap}
+
+
+def _as_written(model: Any) -> None:
+    """Round the weights to what the broadcast wrote: Prime-RL's writer saves sharded (DTensor) weights in bf16, so a
+    float32 model is served with bf16-rounded values; the trainer keeps computing on exactly those, so its logprobs
+    and probe are the served model's."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != torch.bfloat16:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """The trainer's greedy continuation of ``prompt`` under its current weights (no KV cache: a few tokens)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def _checkpoint_dtype(model_dir: Path) -> Any:
+    import torch
+
+    name = json.loads((model_dir / "config.json").read_text()).get("torch_dtype", "float32")
+    return getattr(torch, name)
+
+
+def _record(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    tmp.replace(path)
+
+
+def _log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} stand-in trainer: {msg}", flush=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
