@@ -9,6 +9,9 @@ MODEL  ?= $(TINY_MODEL)
 DTYPE  ?= float32
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+# make bench SHAPE=...: a random model of that shape (tito make-tiny-model --shape), written at models/<shape>
+SHAPES := qwen3-0.6b qwen3-1.7b qwen3-4b
+SHAPE  ?=
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU torch
 # (and transformers then cannot import any model class); text models need none of them.
@@ -32,6 +35,8 @@ help:
 	@echo "make bench   - scripts/bench.py (tito vs the engine in-process vs vLLM's own server, BENCH_ARGS=...), then"
 	@echo "               scripts/bench_weights.py (weight updates vs vLLM's reload; takes no BENCH_ARGS), into results/"
 	@echo "               BASE=<commit or checkout>: the working tree against it in the same run (A/B, rounds alternated)"
+	@echo "               SHAPE=qwen3-0.6b|qwen3-1.7b|qwen3-4b: instead, that random model (models/<shape>): tito and"
+	@echo "               vLLM's server at their defaults under vLLM's own client, and a full weight update"
 	@echo "make seed-run - Prime-RL's orchestrator, unchanged, finding tito through Dynamo: 3 steps at Qwen3-0.6B's shape"
 	@echo "               (OUT=dir, MODEL=dir, SEED_ARGS=...; scripts/seed_run.py --help)"
 	@echo "make prime-rl - the venv of Prime-RL's orchestrator (PRIME_RL_VENV=$(PRIME_RL_VENV)), for seed-run and the tests"
@@ -130,6 +135,9 @@ $(TINY_MODEL)/config.json: | $(VENV)/.installed-cpu
 
 model: $(TINY_MODEL)/config.json
 
+$(SHAPES:%=models/%/config.json): models/%/config.json: | $(VENV)/.installed-cpu
+	$(BIN)/tito make-tiny-model models/$* --shape $*
+
 # The model to serve: the tiny one is written at its own path only; any other MODEL must already be a model directory
 # (a typo must not serve random weights).
 MODEL_READY := $(if $(filter $(abspath $(MODEL)),$(abspath $(TINY_MODEL))),$(TINY_MODEL)/config.json,model-check)
@@ -174,9 +182,21 @@ test: trainers-bg areal-bg prime-rl-bg $(VENV)/.installed-test $(MODEL_READY)
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
 # BASE=<commit or checkout>: also that tree's tito, its server started from its own tree, in the same rounds.
+# SHAPE=: streamed /v1/completions under vLLM's own benchmark client (vllm.benchmarks.serve), tito, tito compiled
+# (--no-enforce-eager) and vLLM's server, each at its defaults, rounds alternated; then a full update on tito
+# (scripts/bench_openai.py). BENCH_ARGS=--cases c16,c64,c16-long adds the 64-concurrent and 1,024/256 cases.
+ifneq ($(SHAPE),)
+ifeq ($(filter $(SHAPE),$(SHAPES)),)
+$(error SHAPE=$(SHAPE): one of $(SHAPES))
+endif
+bench: $(VENV)/.installed-test models/$(SHAPE)/config.json
+	$(BIN)/python scripts/bench.py --vllm-bench --defaults --update --systems tito,compiled,vllm \
+	  --model models/$(SHAPE) --out results --start-timeout 900 $(BENCH_ARGS)
+else
 bench: $(VENV)/.installed-test $(MODEL_READY)
 	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
+endif
 
 # The seed's run: Prime-RL's orchestrator, unchanged, finding tito through Dynamo, 3 steps at Qwen3-0.6B's shape
 # (scripts/seed_run.py; docs/guides/prime-rl-orchestrator.md). OUT=dir keeps the output (default: a temporary one);

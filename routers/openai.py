@@ -9,12 +9,13 @@ otherwise). Not the RL hot path (that is /inference/v1/generate): answers are vL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.core.protocol import ERROR_RESPONSES, ApiError, header_value
 from app.engine.openai_layer import Answer, Gate
@@ -56,21 +57,43 @@ def _json(answer: Answer) -> Response:
                     media_type=_JSON, headers=headers)
 
 
-class _Sse(StreamingResponse):
-    """Starlette's stream (it cancels the body when the client leaves; the adapter's stream then aborts the engine
-    requests), plus the release of in-flight slots whose generation never started."""
+_SSE_HEAD = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 
-    def __init__(self, answer: Answer) -> None:
+
+class _Sse(Response):
+    """The stream, sent by a lean loop instead of Starlette's ``StreamingResponse`` (no task group and its second
+    receiver per request; the headers are the same): one watcher cancels the send when the client leaves, and then
+    the events' generator is closed (the adapter's stream aborts the engine requests). The release of in-flight
+    slots whose generation never started, however it ends."""
+
+    def __init__(self, answer: Answer) -> None:  # noqa: D107 - no body of its own: __call__ sends it
         assert answer.stream is not None
-        super().__init__(answer.stream, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                  "X-Engine-Request-Id": header_value(",".join(answer.engine_ids))})
+        self.stream = answer.stream
+        self.raw_headers = [*_SSE_HEAD, (b"x-engine-request-id", header_value(",".join(answer.engine_ids))
+                                         .encode("latin-1")), _SSE_TYPE]
+        self.status_code, self.background = 200, None  # FastAPI sets background tasks on what a route returns
         self._close = answer.close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watch = Disconnect(receive)
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self.stream:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            watch.ending = True  # the disconnect that the end of the answer itself reports is not the client leaving
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise  # the server is shutting down: not ours to swallow
+        except OSError:
+            pass  # the client left while being written to (uvicorn's ClientDisconnected)
         finally:
+            watch.stop()
+            aclose = getattr(self.stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
             self._close()
 
 

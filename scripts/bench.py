@@ -401,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
                         "served as the 'base' system, with --tito-args too.")
     p.add_argument("--tito-pid", type=int, default=None,
                    help="The process id of the --tito-url server (its CPU and memory, and its engine's).")
+    p.add_argument("--vllm-bench", action="store_true", help="tito against vLLM's server under vLLM's own benchmark "
+                   "client, streamed /v1/completions (scripts/bench_openai.py); with --defaults, --update, --cases.")
+    p.add_argument("--defaults", action="store_true", help="--vllm-bench: each server at its defaults.")
+    p.add_argument("--update", action="store_true", help="--vllm-bench: also a full weight update on tito.")
+    p.add_argument("--cases", default="c16", help="--vllm-bench: comma-separated subset of c16,c64,c16-long.")
+    p.add_argument("--port-range", type=lambda v: tuple(map(int, v.split("-"))), default=None, help="e.g. 18000-18999")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -430,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(inprocess_main(model, [Workload(**w) for w in job["workloads"]], job["burn"])))
         return 0
 
+    if ns.vllm_bench:
+        from bench_openai import main as openai_main
+
+        return openai_main(ns, str(Path(ns.model or ROOT / "models" / "tiny-qwen3").resolve()))
     systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x != "base" or ns.base)).split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:

@@ -2,7 +2,8 @@
 vLLM's (``vllm_args``: vLLM's serve parser with tito's flags, where each argument goes) and the engine configuration
 built from it (``engine_setup``), its multimodal half
 (``multimodal``), the one validator of sampling parameters and wire params to vLLM's ``SamplingParams``
-(``sampling``), vLLM's OpenAI serving layer behind tito's checks and in-flight accounting (``openai_layer``), vLLM's
+(``sampling``), vLLM's OpenAI serving layer behind tito's checks and in-flight accounting (``openai_layer``; its
+completion streams written without a model per chunk: ``openai_stream``), vLLM's
 exceptions as tito's (``errors``), vLLM's own server-info keys (``vllm_config``), routed experts as the wire carries
 them (``routed_experts``), the adapter's calls into its workers (``worker_calls``), and the code that runs inside
 vLLM's worker processes (``worker``: checkpoint reloads, its trainer-broadcast half ``worker_broadcast`` and

