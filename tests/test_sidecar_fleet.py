@@ -480,7 +480,7 @@ def test_prime_rl_orchestrator_with_a_replica_sigkilled_between_steps(
     assert {0, 1} <= set(probes) and restart, "the updates seen on both replicas, b restarted in between"
     for step in (1, 2):
         spans = res["effective_policy_versions"][step]
-        assert len(spans) == 8 and all(s == [step - 1, step - 1] for s in spans), (step, spans)
+        assert spans and all(s == [step - 1, step - 1] for s in spans), (step, spans)
         gap = res["trainer"][step]["max_logprob_gap"]
         assert gap < 1e-4, f"step {step}: tito's logprobs {gap} from the trainer's on v{step - 1}"
     assert a.proc.pid == a_pid and a.proc.poll() is None  # one restart in all: b's
