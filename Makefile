@@ -124,7 +124,7 @@ export TITO_PRIME_RL_SRC := $(PRIME_RL_SRC)
 PRIME_RL_VENV     ?= $(HOME)/.cache/tito/venv-prime-rl
 PRIME_RL_PYTHON   ?= $(TRAINERS_PYTHON)
 PRIME_RL_REQS     := tests/trainer_clients/prime-rl-requirements.txt
-PRIME_RL_IMPORTS  := sys; sys.path[:0] = ['scripts/prime_rl/standins', '$(PRIME_RL_SRC)/src', '$(PRIME_RL_SRC)/packages/prime-rl-configs/src']; import sitecustomize, prime_rl.orchestrator.orchestrator, prime_rl.entrypoints.env_server, prime_rl.entrypoints.rl, prime_rl.trainer.rl.data, prime_rl.transports.weights.filesystem
+PRIME_RL_IMPORTS  := sys; sys.path[:0] = ['scripts/prime_run/standins', '$(PRIME_RL_SRC)/src', '$(PRIME_RL_SRC)/packages/prime-rl-configs/src']; import sitecustomize, prime_rl.orchestrator.orchestrator, prime_rl.entrypoints.env_server, prime_rl.entrypoints.rl, prime_rl.trainer.rl.data, prime_rl.transports.weights.filesystem
 PRIME_RL_NAME     := Prime-RL
 $(eval $(call client_venv,prime-rl,PRIME_RL))
 

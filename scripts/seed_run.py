@@ -7,7 +7,7 @@ tito through Dynamo, on a Qwen3-0.6B-shaped model, for 3 steps.
   what ``make dynamo`` starts.
 - Prime-RL's ``rl`` launcher writes the configs from one ``rl.toml`` (``--dry-run``); Prime-RL's ``env-server`` and
   ``orchestrator`` run unchanged from ``../shared/thirdparty/prime-rl``; tito's stand-in trainer takes the trainer's
-  place (scripts/prime_rl/trainer.py: Prime-RL's batch receiver and checkpoint writer, a real AdamW step on CPU).
+  place (scripts/prime_run/trainer.py: Prime-RL's batch receiver and checkpoint writer, a real AdamW step on CPU).
 - The orchestrator's admin URLs are the ones Dynamo's RL discovery (``/v1/rl/workers``) lists, read here and given to
   Prime-RL as ``admin_base_url`` (this snapshot predates Prime-RL's own Dynamo discovery client); its rollouts (its
   renderer client posts token ids to ``/inference/v1/generate``) go to the tito that discovery lists.
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.dynamo.sidecar import free_system_port  # noqa: E402
-from scripts.prime_rl.run import PrimeRun, free_port, prime_rl_missing  # noqa: E402
+from scripts.prime_run.run import PrimeRun, free_port, prime_rl_missing  # noqa: E402
 
 PY = sys.executable
 NS = "seedrun"

@@ -433,7 +433,7 @@ def test_prime_style_run_through_the_frontend(
 def test_prime_rl_orchestrator_with_a_replica_sigkilled_between_steps(
         fleet: dict[str, Any], replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> None:
     """Prime-RL's own processes, unchanged, from its source snapshot: its launcher writes the configs, its env-server
-    and orchestrator run them (scripts/prime_rl/run.py); tito's stand-in trainer takes the trainer's place with
+    and orchestrator run them (scripts/prime_run/run.py); tito's stand-in trainer takes the trainer's place with
     Prime-RL's batch receiver and checkpoint writer. Its admin URLs are the two replicas Dynamo's RL discovery lists;
     its rollouts go to a (Dynamo 1.6.1's frontend refuses every request Prime-RL makes: docs/guides/prime-rl.md).
     2 steps, Prime-RL's off-policy bound at 0 (a batch trains only on rollouts of the step's own weights). Once the
@@ -444,7 +444,7 @@ def test_prime_rl_orchestrator_with_a_replica_sigkilled_between_steps(
     with exactly the weights the orchestrator accounts it to); after each update both replicas' greedy answer to a
     probe is the trainer's on the weights it wrote; a never restarted; b serves the last step the orchestrator
     applied."""
-    from scripts.prime_rl.run import PrimeRun, prime_rl_missing
+    from scripts.prime_run.run import PrimeRun, prime_rl_missing
 
     if (why := prime_rl_missing()) is not None:
         pytest.skip(why)

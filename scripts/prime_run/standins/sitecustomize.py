@@ -41,7 +41,7 @@ class _Unused(type):
         return unused(f"{cls.__module__}.{cls.__qualname__}", name)
 
     def __call__(cls, *args: object, **kwargs: object) -> NoReturn:
-        raise RuntimeError(f"{cls.__module__}.{cls.__qualname__} is a stand-in (tito's scripts/prime_rl/standins): "
+        raise RuntimeError(f"{cls.__module__}.{cls.__qualname__} is a stand-in (tito's scripts/prime_run/standins): "
                            "the trainer's GPU code, not on the orchestrator's path")
 
 
@@ -65,7 +65,7 @@ DEFINED: dict[str, dict[str, object]] = {
 
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name, "A stand-in: see tito's scripts/prime_rl/standins/README.md.")
+        module = types.ModuleType(spec.name, "A stand-in: see tito's scripts/prime_run/standins/README.md.")
         module.__dict__.update(DEFINED.get(spec.name, {}))
 
         def __getattr__(name: str) -> Any:

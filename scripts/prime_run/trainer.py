@@ -20,7 +20,7 @@ between the logprobs tito returned with the batch and the trainer's own logprobs
 weights the rollout was sampled from (when those are the trainer's current weights), and the trainer's greedy tokens
 for a probe prompt under the weights it just wrote, so a run can check that tito serves exactly that step.
 
-    python scripts/prime_rl/trainer.py @ <run>/configs/trainer.json [--model-dir DIR] [--probe-tokens 1,2,3]
+    python scripts/prime_run/trainer.py @ <run>/configs/trainer.json [--model-dir DIR] [--probe-tokens 1,2,3]
         [--probe-len 8]
 
 ``--model-dir``: where the model's files are when ``model.name`` (the name Prime-RL's configs share with the served
