@@ -117,8 +117,8 @@ AREAL_NAME    := AReaL
 $(eval $(call client_venv,areal,AREAL))
 
 # Prime-RL's orchestrator, env-server and launcher from its source snapshot, and tito's stand-in trainer, for
-# `make seed-run` and tests/test_prime_rl_orchestrator.py: Prime-RL needs Python 3.12 (~=3.12), so torch is PyPI's CUDA
-# build, as for SkyRL's venv. The imports: Prime-RL's modules run with the stand-ins first on the path.
+# `make seed-run` and tests/test_sidecar_fleet.py (its Prime-RL run): Prime-RL needs Python 3.12 (~=3.12), so torch is
+# PyPI's CUDA build, as for SkyRL's venv. The imports: Prime-RL's modules run with the stand-ins first on the path.
 PRIME_RL_SRC      ?= $(abspath ../shared/thirdparty/prime-rl)
 export TITO_PRIME_RL_SRC := $(PRIME_RL_SRC)
 PRIME_RL_VENV     ?= $(HOME)/.cache/tito/venv-prime-rl

@@ -1,6 +1,7 @@
 """Prime-RL's own processes against tito: its ``rl`` launcher writes the configs, its ``env-server`` and
 ``orchestrator`` run unchanged from the source snapshot, tito's stand-in trainer (``trainer.py`` beside this file)
-takes the trainer's place. Used by ``scripts/seed_run.py`` (``make seed-run``) and tests/test_prime_rl_orchestrator.py.
+takes the trainer's place. Used by ``scripts/seed_run.py`` (``make seed-run``) and tests/test_sidecar_fleet.py (its
+Prime-RL run).
 
     run = PrimeRun(out, model_dir="models/qwen3-0.6b", served_name="Qwen3-0.6B", base_url="http://127.0.0.1:8000/v1",
                    admin_urls=["http://127.0.0.1:8100"], steps=3)
