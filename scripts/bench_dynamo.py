@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shlex
 import signal
 import socket
@@ -39,22 +38,17 @@ from typing import Any
 
 import httpx
 
+from app.dynamo.sidecar import free_system_port
+
 ROOT = Path(__file__).resolve().parent.parent
 GEN = "/inference/v1/generate"
 
 
-def free_port(below: int | None = None) -> int:
-    """A free loopback port; ``below``: under that number (the sidecar reads DYN_SYSTEM_PORT as a 16-bit signed
-    number, and the kernel's own free ports usually lie above it)."""
-    for _ in range(500):
-        port = random.randrange(20000, below) if below else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError("no free port")
+def free_port() -> int:
+    """A free loopback port (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -201,7 +195,7 @@ def main() -> int:
                     f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
         procs.append(tito)
         tito.wait(900)
-        sport = free_port(below=32768)
+        sport = free_system_port()
         side = Proc([sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", f"127.0.0.1:{grpc_port}",
                      "--enable-rl", "--vllm-http-endpoint", tito.url], f"http://127.0.0.1:{sport}", "/health",
                     {**env, "DYN_SYSTEM_PORT": str(sport)}, tmp / "sidecar.log")

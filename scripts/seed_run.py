@@ -33,7 +33,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -159,7 +158,6 @@ class Memory:
     def __init__(self, pid: int) -> None:
         self.root = psutil.Process(pid)
         self.peak = 0
-        self.lock = threading.Lock()
 
     def sample(self) -> int:
         try:
@@ -167,8 +165,7 @@ class Memory:
             rss = sum(p.memory_info().rss for p in procs if p.is_running())
         except psutil.Error:
             return 0
-        with self.lock:
-            self.peak = max(self.peak, rss)
+        self.peak = max(self.peak, rss)
         return rss
 
 

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="Serve a model over HTTP: every `vllm serve` argument and tito's own flags "
                    "(tito serve --help).", add_help=False)
 
+    from app.tiny.model import SHAPES  # the model maker's own list (no torch import)
+
     m = sub.add_parser("make-tiny-model", help="Write the tiny random-weight test model.",
                        description="Write a tiny random-weight Qwen3 (vocab 512, hidden 128, 2 layers), "
                        "deterministic from --seed, offline, with a byte-level BPE tokenizer and a chat template "
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="Overwrite an existing model.")
     m.add_argument("--no-tokenizer", action="store_true",
                    help="Weights and config only (default: also a byte-level BPE tokenizer with a chat template).")
-    m.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"],
+    m.add_argument("--shape", default="tiny", choices=list(SHAPES),
                    help="The architecture: tiny (default, float32), or a Qwen3 size's own (layers, widths, heads, "
                    "vocabulary 151,936, context 40,960, tied head) with random bf16 weights, for benchmarks and the "
                    "seed's run at the shapes users train (0.6b: 1.2 GB, 1.7b: 3.4 GB, 4b: 8 GB, in 2 GB shards).")

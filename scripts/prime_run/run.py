@@ -70,6 +70,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def prime_env() -> dict[str, str]:
     """The environment of Prime-RL's processes: the stand-ins first (see standins/README.md), then the taskset, then
     Prime-RL's source; its venv's bin first on PATH (the env-server's chat program runs through its ``uv``)."""
@@ -80,6 +89,14 @@ def prime_env() -> dict[str, str]:
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                LOGURU_COLORIZE="0", NO_COLOR="1")
     return env
+
+
+UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _seconds(text: str) -> float:
+    """Seconds from Prime-RL's ``format_time`` ("850ms", "12.3s", "1m 33s", "2h 5m", "1d 3h")."""
+    return sum(float(n) * UNIT_S[u] for n, u in re.findall(r"([\d.]+)(ms|[dhms])", text))
 
 
 def _toml(value: Any) -> str:
@@ -117,7 +134,6 @@ class PrimeRun:
     lr: float = 1e-3
     max_off_policy_steps: int | None = None
     timeout: float = 1800.0
-    extra: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     run_dir: Path | None = None
 
@@ -125,7 +141,7 @@ class PrimeRun:
     def rl_toml(self) -> str:
         """Prime-RL's ``rl`` config for this run (what a user writes; its launcher derives the rest)."""
         zmq = free_port()
-        while free_port() == zmq + 1:  # the transport uses port and port + 1
+        while not _bindable(zmq + 1):  # the transport binds port and port + 1
             zmq = free_port()
         orch: dict[str, Any] = {"batch_size": self.batch_size, "group_size": self.group_size,
                                 "env_server_base_port": free_port()}
@@ -284,7 +300,7 @@ class PrimeRun:
         orch_log = self.tail("orchestrator", 10**7)
         steps = [{"step": int(m.group(1)), "reward": float(m.group(2)), "error": float(m.group(3))}
                  for m in re.finditer(r"Step (\d+) \|[^|]*\| Reward ([-\d.]+) .*?Error ([\d.]+)%", orch_log)]
-        loop = re.search(r"Orchestrator step loop done in ([\d.]+)(m?s)", orch_log)
+        loop = re.search(r"Orchestrator step loop done in ((?:[\d.]+(?:ms|[dhms]) ?)+)", orch_log)
         rollouts = errored = 0
         versions: dict[str, dict[int, list[list[int]]]] = {"all": {}, "effective": {}}
         for subset in versions:
@@ -299,9 +315,7 @@ class PrimeRun:
                     versions[subset].setdefault(step, []).append([pol.get("start", -1), pol.get("end", -1)])
         records = [json.loads(p.read_text()) for p in sorted(self.run_dir.glob("tito-trainer/step_*.json"),
                                                              key=lambda p: int(p.stem.split("_")[1]))]
-        loop_s = None
-        if loop:
-            loop_s = float(loop.group(1)) / (1000 if loop.group(2) == "ms" else 1)
+        loop_s = _seconds(loop.group(1)) if loop else None
         return {"orchestrator_exit": self.procs["orchestrator"].returncode, "steps_logged": steps,
                 "orchestrator_loop_s": loop_s, "wall_s": wall, "rollouts": rollouts, "failed_rollouts": errored,
                 "policy_versions": versions["all"], "effective_policy_versions": versions["effective"],

@@ -90,11 +90,15 @@ def main() -> int:
     _log(f"model {model_dir} ({dtype}), lr {config.optim.lr}, max_steps {config.max_steps}, "
          f"rollouts over {config.rollout_transport.type}")
 
-    t = time.perf_counter()
-    broadcast.broadcast_weights(model, step=0)  # the startup policy, as Prime-RL's trainer broadcasts v0
-    _as_written(model)
-    _record(records / "step_0.json", {"step": 0, "write_s": time.perf_counter() - t,
-                                       "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+    def publish(step: int, **stats: Any) -> None:
+        """Write ``step`` with Prime-RL's writer, keep computing on the values written, record it with the probe."""
+        t = time.perf_counter()
+        broadcast.broadcast_weights(model, step=step)
+        _as_written(model)
+        _record(records / f"step_{step}.json", {"step": step, "write_s": time.perf_counter() - t, **stats,
+                                                "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+
+    publish(0)  # the startup policy, as Prime-RL's trainer broadcasts v0
     _log("wrote step 0")
 
     loader = DataLoader(out, 1, 1, config.rollout_transport)
@@ -106,14 +110,7 @@ def main() -> int:
         waited = time.perf_counter() - t0
         t1 = time.perf_counter()
         stats = _train_step(model, optimizer, micro_batches)
-        trained = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        broadcast.broadcast_weights(model, step=step)
-        _as_written(model)
-        written = time.perf_counter() - t2
-        _record(records / f"step_{step}.json", {
-            "step": step, "wait_s": waited, "train_s": trained, "write_s": written, **stats,
-            "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+        publish(step, wait_s=waited, train_s=time.perf_counter() - t1, **stats)
         _log(f"step {step}: {stats['samples']} samples, {stats['loss_tokens']} loss tokens, loss {stats['loss']:.4f}, "
              f"logprob gap to tito {stats['max_logprob_gap']:.2e}; wrote step {step}")
         step += 1
