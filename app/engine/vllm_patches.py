@@ -69,11 +69,13 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from app.engine.vllm_patches_runner import MARK as _MARK
+from app.engine.vllm_patches_runner import patch_cpu_moe_reload, patch_cpu_routed_experts, patch_cpu_seeded_rewind
+
 log = logging.getLogger("tito.vllm_patches")
 
 SUPPORTED = ("0.32.",)
 ENV = "TITO_VLLM_PATCHES"
-_MARK = "_tito_patch"
 
 _applied: list[str] = []
 
@@ -101,12 +103,6 @@ def install() -> list[str]:
         _applied.append(f"cpu-worker-busy-wait-{spin_window_s()}s (vLLM #51950, #52814)")
     if request_amx_permission():
         _applied.append("cpu-amx-permission")
-    from app.engine.vllm_patches_runner import (
-        patch_cpu_moe_reload,
-        patch_cpu_routed_experts,
-        patch_cpu_seeded_rewind,
-    )
-
     if patch_cpu_routed_experts():
         _applied.append("cpu-routed-experts (vLLM #45635, tpu-inference #3636)")
     if patch_cpu_moe_reload():

@@ -7,7 +7,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from app.engine.vllm_patches import _MARK
+# Set on each function a fix put in vLLM's place, so that applying the fixes twice wraps nothing twice.
+MARK = "_tito_patch"
 
 
 def patch_cpu_routed_experts() -> bool:
@@ -22,7 +23,7 @@ def patch_cpu_routed_experts() -> bool:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     check = VllmConfig._verify_aux_output_compatibility
-    if getattr(check, _MARK, False):
+    if getattr(check, MARK, False):
         return True
 
     @functools.wraps(check)
@@ -39,7 +40,7 @@ def patch_cpu_routed_experts() -> bool:
         finally:
             del current_platform.is_out_of_tree
 
-    setattr(verify, _MARK, True)
+    setattr(verify, MARK, True)
     VllmConfig._verify_aux_output_compatibility = verify  # type: ignore[method-assign]
 
     init_kv, execute, sample = (CPUModelRunner.initialize_kv_cache, CPUModelRunner.execute_model,
@@ -92,7 +93,7 @@ def patch_cpu_routed_experts() -> bool:
         return out
 
     for fn in (initialize_kv_cache, execute_model, sample_tokens):
-        setattr(fn, _MARK, True)
+        setattr(fn, MARK, True)
     CPUModelRunner.initialize_kv_cache = initialize_kv_cache  # type: ignore[method-assign,assignment]
     CPUModelRunner.execute_model = execute_model  # type: ignore[method-assign,assignment]
     CPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign,assignment]
@@ -120,7 +121,7 @@ def patch_cpu_moe_reload() -> bool:
         return False
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as Method
 
-    if not getattr(Method.process_weights_after_loading, _MARK, False):
+    if not getattr(Method.process_weights_after_loading, MARK, False):
         Method.process_weights_after_loading = _prepacking_again(  # type: ignore[method-assign,assignment]
             Method.process_weights_after_loading)
     return True
@@ -138,7 +139,7 @@ def _prepacking_again(original: Callable[[Any, Any], None]) -> Callable[[Any, An
         if update and self.unquantized_backend == UnquantizedMoeBackend.CPU:
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
-    setattr(process_weights_after_loading, _MARK, True)
+    setattr(process_weights_after_loading, MARK, True)
     return process_weights_after_loading
 
 
@@ -153,7 +154,7 @@ def patch_cpu_seeded_rewind() -> bool:
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
 
-    if not getattr(Runner._sample, _MARK, False):
+    if not getattr(Runner._sample, MARK, False):
         Runner._sample = _restoring_discarded(Runner._sample)  # type: ignore[method-assign]
         Runner._bookkeeping_sync = _without_discarded(Runner._bookkeeping_sync)  # type: ignore[method-assign]
     return True
@@ -178,7 +179,7 @@ def _restoring_discarded(original: Callable[..., Any]) -> Callable[..., Any]:
             self.input_batch.generators[i].set_state(state)
         return out
 
-    setattr(_sample, _MARK, True)
+    setattr(_sample, MARK, True)
     return _sample
 
 
@@ -198,5 +199,5 @@ def _without_discarded(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             self.input_batch.generators = gens
 
-    setattr(_bookkeeping_sync, _MARK, True)
+    setattr(_bookkeeping_sync, MARK, True)
     return _bookkeeping_sync
