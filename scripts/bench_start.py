@@ -1,8 +1,9 @@
 """Seconds to healthy, with and without vLLM's compile cache: tito and vLLM's server at their defaults (both compile
 on CPU), and tito with ``--enforce-eager``.
 
-Each round gives each system a fresh, empty ``VLLM_CACHE_ROOT`` (cold: torch.compile compiles the model) and then
-starts it once more on that same root (warm: vLLM reads the compiled graphs back). Systems alternate order round by
+Each round gives each system fresh, empty compile caches (``VLLM_CACHE_ROOT`` and ``TORCHINDUCTOR_CACHE_DIR``: cold,
+as on a new machine: torch.compile compiles the model and inductor its kernels) and then starts it once more on the
+same caches (warm: vLLM reads the compiled graphs back). Systems alternate order round by
 round. ``/health`` answering 200 is "healthy" for both servers (tito's /health answers once the engine is up).
 
     python scripts/bench_start.py --model models/qwen3-0.6b --rounds 2
@@ -38,7 +39,9 @@ def start_seconds(system: str, model: str, max_model_len: int, cache: Path, log:
     from tests.helpers import EAGER_ENV, ServerProcess, engine_env, free_port
 
     port = free_port()
-    env = engine_env({"VLLM_CACHE_ROOT": str(cache), EAGER_ENV: None})
+    # Both caches a compile reads: vLLM's (its AOT-compiled graphs) and inductor's (kernels, shared across configs).
+    env = engine_env({"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                      EAGER_ENV: None})
     server = ServerProcess(command(system, model, port, max_model_len), port, log, env=env)
     server.start(timeout=timeout)
     try:
