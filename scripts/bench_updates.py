@@ -355,22 +355,29 @@ def run_sender(port: int, model: Path, step_dirs: list[Path]) -> int:
 
 def delta_chain(model: Path, work: Path, n: int, fraction: float) -> list[Path]:
     """``n`` chained sparse deltas (delta.stream) from the model's weights, each moving ``fraction`` of every tensor's
-    elements; written once per work directory."""
+    elements; written once per work directory (a ``done`` marker per step, under a file lock: two runs may share the
+    directory)."""
+    import fcntl
+
     steps = [work / "chain" / f"step_{k}" for k in range(1, n + 1)]
-    if all((d / "delta.stream").exists() for d in steps):
-        return steps
-    from safetensors.torch import load_file
+    with (work / "chain.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all((d / "done").exists() for d in steps):
+            return steps
+        from safetensors.torch import load_file
 
-    from tests.delta_encoder import perturb, write_delta
+        from tests.delta_encoder import perturb, write_delta
 
-    sd = {}
-    for f in checkpoint_files(model):
-        sd.update(load_file(str(f)))
-    for k, d in enumerate(steps, start=1):
-        target = perturb(sd, fraction, 1000 + k, scale=0.01)
-        write_delta(d / "delta.stream", sd, target)
-        sd = target
-        print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
+        sd = {}
+        for f in checkpoint_files(model):
+            sd.update(load_file(str(f)))
+        for k, d in enumerate(steps, start=1):
+            target = perturb(sd, fraction, 1000 + k, scale=0.01)
+            if not (d / "done").exists():
+                write_delta(d / "delta.stream", sd, target)
+                (d / "done").touch()
+                print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
+            sd = target
     return steps
 
 
