@@ -385,7 +385,15 @@ def delta_chain(model: Path, work: Path, n: int, fraction: float) -> list[Path]:
 
 
 def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[str, Any]:
+    import psutil
+
     files = checkpoint_files(a.model)
+    # The weights, the engine's own memory and the KV cache: other engineers' engines share this machine.
+    need = 1.3 * sum(f.stat().st_size for f in files) + 3e9
+    free = psutil.virtual_memory().available
+    if free < need:
+        print(f"{system}: skipped, {free / 1e9:.1f} GB available < {need / 1e9:.1f} GB", file=sys.stderr, flush=True)
+        return {"skipped": f"{free / 1e9:.1f} GB available, {need / 1e9:.1f} GB needed", "rows": []}
     reads = read_speed(files)
     print(f"{system}: read {reads}", file=sys.stderr, flush=True)
     s = Server(system, a.model, a.work, a.streams, a.max_model_len)
@@ -459,7 +467,8 @@ def report(res: dict[str, Any]) -> str:
                      f"{spread([r['peak_rss_above'] / 1e9 for r in xs])} | "
                      f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
                      f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
-    reads = [rd[s]["read"] for rd in rounds for s in rd]
+    reads = [rd[s]["read"] for rd in rounds for s in rd if "read" in rd[s]]
+    skipped = [f"{s}: {rd[s]['skipped']}" for rd in rounds for s in rd if "skipped" in rd[s]]
     lines += ["", f"File read speed of the same files, GB/s: cold {spread([r['cold_gbps'] for r in reads])}, "
                   f"warm {spread([r['warm_gbps'] for r in reads])}"]
     tito = [r for r in rows if r["system"] == "tito" and r["kind"] == "full"]
@@ -479,7 +488,9 @@ def report(res: dict[str, Any]) -> str:
         if ratios:
             lines.append(f"tito {kind} / vLLM's reload, {key} (round medians, round by round): {spread(ratios)}"
                          + (f" (goal {goal})" if goal else ""))
-    starts = {s: [rd[s]["start_s"] for rd in rounds if s in rd] for s in ("tito", "vllm")}
+    if skipped:
+        lines.append("Skipped (memory): " + "; ".join(skipped))
+    starts = {s: [rd[s]["start_s"] for rd in rounds if "start_s" in rd.get(s, {})] for s in ("tito", "vllm")}
     lines.append("Seconds to healthy: " + "; ".join(f"{s} {spread(v, '{:.0f}')}" for s, v in starts.items() if v))
     if res.get("soak"):
         sk = res["soak"]
