@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -213,13 +214,17 @@ class Server:
         self.proc = ServerProcess(server_cmd(system, str(model), port, True, extra), port,
                                   work / f"{system}-{port}.log", env=env)
         t0 = time.monotonic()
-        self.proc.start(timeout=900)
-        self.start_s = time.monotonic() - t0
-        assert self.proc.proc is not None
-        self.pid = self.proc.proc.pid
-        self.client = httpx.Client(base_url=self.proc.url, timeout=900)
-        self.mem = Sampler(self.pid)
-        self.streams = Streams(self.proc.url, streams, max_len - 32).__enter__()
+        try:
+            self.proc.start(timeout=900)
+            self.start_s = time.monotonic() - t0
+            assert self.proc.proc is not None
+            self.pid = self.proc.proc.pid
+            self.client = httpx.Client(base_url=self.proc.url, timeout=900)
+            self.mem = Sampler(self.pid)
+            self.streams = Streams(self.proc.url, streams, max_len - 32).__enter__()
+        except BaseException:
+            self.proc.kill()  # interrupted while starting (a timeout's SIGTERM): no server is left behind
+            raise
         self.n = 0
 
     def close(self) -> None:
@@ -520,9 +525,19 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--sender", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--step-dir", type=Path, action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--report", type=Path, nargs="+", default=None, help="Instead: the table of these runs' JSON "
+                   "files together (their rounds pooled; the soak of the last one that has one).")
     a = p.parse_args()
     if a.sender is not None:
         return run_sender(a.sender, a.model, a.step_dir)
+    if a.report:
+        runs = [json.loads(f.read_text()) for f in a.report]
+        pooled = {**runs[0], "rounds": [rd for r in runs for rd in r["rounds"]],
+                  "soak": next((r["soak"] for r in reversed(runs) if r.get("soak")), None)}
+        print(report(pooled))
+        return 0
+    # A timeout's SIGTERM unwinds through the finally blocks, which kill the servers' process groups.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.model = a.model.resolve()
     a.work = (a.work or Path("/tmp/tito-bench-updates") / a.model.name).resolve()
     a.work.mkdir(parents=True, exist_ok=True)
