@@ -396,7 +396,9 @@ def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[st
     files = checkpoint_files(a.model)
     # The weights, the engine's own memory and the KV cache: other engineers' engines share this machine.
     need = 1.3 * sum(f.stat().st_size for f in files) + 3e9
-    free = psutil.virtual_memory().available
+    deadline = time.monotonic() + 90  # the previous system's processes may still be releasing theirs
+    while (free := psutil.virtual_memory().available) < need and time.monotonic() < deadline:
+        time.sleep(2)
     if free < need:
         print(f"{system}: skipped, {free / 1e9:.1f} GB available < {need / 1e9:.1f} GB", file=sys.stderr, flush=True)
         return {"skipped": f"{free / 1e9:.1f} GB available, {need / 1e9:.1f} GB needed", "rows": []}
