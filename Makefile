@@ -202,6 +202,18 @@ bench: $(VENV)/.installed-test $(MODEL_READY)
 	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
 endif
 
+# make bench-updates SHAPE=qwen3-0.6b (the default; also qwen3-1.7b, qwen3-4b): weight updates at that shape with
+# streaming clients running (scripts/bench_updates.py): tito's full update from disk, staged delta commit and gloo
+# broadcast against vLLM's own reload of the same files; seconds, GB/s against the file read speed, the pause a stream
+# saw, peak memory. UPDATES_ARGS=... more flags (--soak 20: the soak instead; --kinds full; --systems tito).
+UPDATES_SHAPE := $(or $(SHAPE),qwen3-0.6b)
+UPDATES_ARGS  ?=
+.PHONY: bench-updates
+bench-updates: $(VENV)/.installed-test models/$(UPDATES_SHAPE)/config.json
+	mkdir -p results
+	$(BIN)/python scripts/bench_updates.py --model $(abspath models/$(UPDATES_SHAPE)) \
+	  --json results/bench-updates-$(UPDATES_SHAPE).json $(UPDATES_ARGS)
+
 # The seed's run: Prime-RL's orchestrator, unchanged, finding tito through Dynamo, 3 steps at Qwen3-0.6B's shape
 # (scripts/seed_run.py; docs/guides/prime-rl-orchestrator.md). OUT=dir keeps the output (default: a temporary one);
 # MODEL=dir another model; SEED_ARGS=... more flags (--route http: straight at tito, no Dynamo).

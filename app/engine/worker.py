@@ -69,13 +69,17 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
             self._tito_abandon_reload()
             raise
         finally:
+            t1 = time.perf_counter()
             retie(ties)
-        reload_s = time.perf_counter() - t0
+        t2 = time.perf_counter()
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
-        # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it.
+        # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it;
+        # retie_seconds: the tied head re-processed (on CPU its GEMM weights re-packed, the embedding's size), which
+        # vLLM's own reload skips, leaving the head on the old weights.
         return {"kept": dict(report.kept), "rotary_before": _digest_of(before), "not_loaded": sorted(report.not_loaded),
-                "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": reload_s}
+                "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": t1 - t0,
+                "retie_seconds": t2 - t1}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts

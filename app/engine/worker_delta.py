@@ -356,7 +356,7 @@ class DeltaWorker:
         groups = sorted({group_of(n, packed) for n in touched})
         feed = [n for g in groups for n in c.groups[g]
                 if c.plans.get(n) is None and c.where.get(n, ("", "", None))[0] not in prebuilt]
-        reload_s = 0.0
+        reload_s = retie_s = 0.0
         if feed:
             expect = {c.vllm_names[n] for n in feed if n in c.vllm_names}
             items = inject_fault((n, c.tensors[n]) for n in feed)
@@ -364,11 +364,11 @@ class DeltaWorker:
             missed = sorted(expect & set(out["not_loaded"]))
             if missed:
                 raise RuntimeError(f"weight(s) of the delta's layers did not load: {', '.join(missed[:8])}")
-            reload_s = float(out["reload_seconds"])
+            reload_s, retie_s = float(out["reload_seconds"]), float(out.get("retie_seconds", 0.0))
         elif inplace or prebuilt:
             self._tito_weights_changed()
         return {"inplace": len(inplace), "inplace_seconds": t_inplace, "prebuilt": len(prebuilt),
-                "swap_seconds": t_swap, "reload_seconds": reload_s,
+                "swap_seconds": t_swap, "reload_seconds": reload_s, "retie_seconds": retie_s,
                 "reloaded_groups": len({group_of(n, packed) for n in feed}), "reloaded_tensors": len(feed)}
 
     def _tito_weights_changed(self) -> None:

@@ -8,9 +8,10 @@ from typing import Any
 log = logging.getLogger("tito.weights")
 
 
-def reload_seconds(results: list[Any] | None) -> float | None:
-    """The slowest worker's ``reload_seconds`` (vLLM's reload), if the workers reported one."""
-    times = [float(r["reload_seconds"]) for r in results or [] if isinstance(r, dict) and "reload_seconds" in r]
+def reload_seconds(results: list[Any] | None, key: str = "reload_seconds") -> float | None:
+    """The slowest worker's ``reload_seconds`` (vLLM's reload), or another of the workers' timings (``key``), if the
+    workers reported one."""
+    times = [float(r[key]) for r in results or [] if isinstance(r, dict) and key in r]
     return max(times) if times else None
 
 

@@ -378,8 +378,8 @@ class StagingManager:
         if not out.noop:
             DELTA_ELEMENTS.inc(entry.elements)
         self.committed(entry)
-        keys = ("copy_seconds", "inplace_seconds", "swap_seconds", "reload_seconds", "cpu_seconds", "inplace",
-                "prebuilt", "reloaded_groups", "reloaded_tensors", "elements", "prepare_seconds")
+        keys = ("copy_seconds", "inplace_seconds", "swap_seconds", "reload_seconds", "retie_seconds", "cpu_seconds",
+                "inplace", "prebuilt", "reloaded_groups", "reloaded_tensors", "elements", "prepare_seconds")
         rows = [r for r in results if isinstance(r, dict)]
         if not rows:
             return out, {}

@@ -202,6 +202,7 @@ class UpdateOutcome:
     bytes: int
     noop: bool = False
     reload_seconds: float | None = None  # vLLM's own in-place reload inside the slowest worker (the rest is tito's)
+    retie_seconds: float | None = None  # of tito's part: a tied head re-processed (app/engine/worker.py)
     skipped: list[str] = field(default_factory=list)  # names not loaded: buffers, a tied head's checked copy
 
     def body(self) -> dict[str, Any]:
@@ -210,6 +211,8 @@ class UpdateOutcome:
                **({"skipped": sorted(self.skipped)} if self.skipped else {})}
         if self.reload_seconds is not None:
             out["reload_seconds"] = round(self.reload_seconds, 4)
+        if self.retie_seconds:
+            out["retie_seconds"] = round(self.retie_seconds, 4)
         return out
 
 
@@ -396,6 +399,7 @@ class WeightManager:
                 raise err from None
             touched = True
             engine_s = reload_seconds(results)
+            retie_s = reload_seconds(results, "retie_seconds")
             log_kept(results)
             await eng.set_weight_version(version)
             self.version = version
@@ -417,8 +421,9 @@ class WeightManager:
         metrics.WEIGHT_UPDATE_SECONDS.labels(source).observe(dt)
         metrics.WEIGHT_VERSION.info({"version": version})
         log.info("weights updated from %s: version=%s, %d bytes in %.3fs%s", source, version, nbytes, dt,
-                 f" (vLLM's reload {engine_s:.3f}s, tito {dt - engine_s:.3f}s)" if engine_s is not None else "")
-        return UpdateOutcome(version, source, dt, nbytes, reload_seconds=engine_s)
+                 f" (vLLM's reload {engine_s:.3f}s, tito {dt - engine_s:.3f}s"
+                 f"{f' of which the tied head {retie_s:.3f}s' if retie_s else ''})" if engine_s is not None else "")
+        return UpdateOutcome(version, source, dt, nbytes, reload_seconds=engine_s, retie_seconds=retie_s)
 
     # ------------------------------------------------------------------ vLLM's native transfer
 

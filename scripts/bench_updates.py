@@ -1,0 +1,439 @@
+"""Benchmark: weight updates at a real model's shape, with a streaming client running.
+
+For ``--model DIR`` (a ``tito make-tiny-model --shape`` model: random bf16 weights), each round starts each system
+fresh, one after the other (the order alternates), with ``--streams`` clients streaming ``/v1/completions`` the whole
+time, and runs:
+
+- tito: ``--repeat`` full updates from disk (``POST /update_weights`` of the served checkpoint itself, a new
+  ``weight_version`` each time), then ``--repeat`` + 1 staged sparse deltas (``/stage`` by path, then ``/commit``; the
+  first, which fills the workers' copy of the weights, is left out of the figures), then ``--repeat`` broadcasts of the
+  same weights over gloo from a trainer process (Prime-RL's wire format, ``/init_broadcaster`` + ``/update_weights``);
+- vLLM's own server (``VLLM_SERVER_DEV_MODE=1``): ``--repeat`` reloads of the same files
+  (``/collective_rpc`` ``reload_weights`` with ``weights_path``), the anchor.
+
+Every update runs as a trainer runs it: ``POST /pause?mode=keep&clear_cache=false``, the update, ``POST /resume``;
+one untimed warm-up update per system first. Per update: seconds of the update call, GB/s (checkpoint bytes over
+those seconds), the pause from the client (pause sent to resume answered), the pause a streaming client saw (its
+longest gap between two events across the update), and the peak memory of the server's process tree (API, EngineCore,
+workers) above its steady state (median of the 2 s before the pause), sampled every 0.1 s: RSS, and its anonymous
+part (RSS less mapped files: copies, not the page cache of an mmapped checkpoint). Before each system's updates the
+files are read cold (``posix_fadvise(DONTNEED)`` first) and warm: the machine's file read speed; the updates then
+read a warm page cache.
+
+``--soak N``: tito only, N full updates under the streams, memory after each (1.5 s after resume), and the slope.
+
+Every server runs eager (``--enforce-eager``): an update's time does not depend on torch.compile (the reload
+re-processes the weights, it does not recompile).
+
+    python scripts/bench_updates.py --model /work/main/models/qwen3-0.6b --rounds 2 --repeat 5
+    python scripts/bench_updates.py --model /work/main/models/qwen3-0.6b --soak 20
+    python scripts/bench_updates.py --model /work/main/models/qwen3-4b --systems tito --kinds full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from update_probes import Sampler, Streams, read_speed  # noqa: E402 - after the path set-up above
+
+PAUSE = {"mode": "keep", "clear_cache": "false"}  # Prime-RL's pause
+
+
+def checkpoint_files(model: Path) -> list[Path]:
+    return sorted(model.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ the systems
+
+
+class Server:
+    """One system, started fresh, with its streams and memory sampler; ``update()`` runs one timed update."""
+
+    def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int) -> None:
+        from bench_openai import port_in, server_cmd
+
+        from tests.helpers import ServerProcess, engine_env
+
+        self.system, self.model, self.work = system, model, work
+        port = port_in(None)
+        extra = f"--enforce-eager --max-model-len {max_len}"
+        if system == "tito":
+            extra += f" --allowed-weight-root {work} --allowed-weight-root {model}"
+        env = engine_env({"VLLM_SERVER_DEV_MODE": "1"} if system == "vllm" else None)
+        self.proc = ServerProcess(server_cmd(system, str(model), port, True, extra), port,
+                                  work / f"{system}-{port}.log", env=env)
+        t0 = time.monotonic()
+        try:
+            self.proc.start(timeout=900)
+            self.start_s = time.monotonic() - t0
+            assert self.proc.proc is not None
+            self.pid = self.proc.proc.pid
+            self.client = httpx.Client(base_url=self.proc.url, timeout=900)
+            self.mem = Sampler(self.pid)
+            self.streams = Streams(self.proc.url, streams, max_len - 32).__enter__()
+        except BaseException:
+            self.proc.kill()  # interrupted while starting (a timeout's SIGTERM): no server is left behind
+            raise
+        self.n = 0
+
+    def close(self) -> None:
+        self.streams.__exit__()
+        self.mem.close()
+        self.client.close()
+        self.proc.kill()  # the whole process group: no EngineCore is left behind
+
+    def post(self, path: str, **kw: Any) -> dict[str, Any]:
+        r = self.client.post(path, **kw)
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.system} {path}: {r.status_code} {r.text[:500]}")
+        return r.json() if r.content else {}
+
+    def update(self, kind: str, call: Any, nbytes: int) -> dict[str, Any]:
+        """pause (keep) -> ``call()`` -> resume, measured."""
+        time.sleep(2.0)  # a steady state to measure against
+        t0 = time.monotonic()
+        steady = self.mem.steady(t0)
+        tpot = self.streams.interval(t0)
+        self.post("/pause", params=PAUSE)
+        t1 = time.monotonic()
+        try:
+            answer = call()
+        finally:
+            t2 = time.monotonic()
+            self.post("/resume")
+        t3 = time.monotonic()
+        self.streams.after(t3)
+        time.sleep(1.5)
+        peak = self.mem.peak(t0, time.monotonic())
+        after = self.mem.steady(time.monotonic())
+        answer = answer or {}
+        nbytes = int(answer.get("bytes") or nbytes)
+        row = {"system": self.system, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
+               "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "bytes": nbytes, "gbps": nbytes / (t2 - t1) / 1e9,
+               "server_s": answer.get("seconds"), "reload_s": answer.get("reload_seconds"),
+               "retie_s": answer.get("retie_seconds"),
+               "steady_rss": steady[0], "steady_anon": steady[1],
+               "peak_rss_above": peak[0] - steady[0], "peak_anon_above": peak[1] - steady[1],
+               "after_rss_above": after[0] - steady[0], "after_anon_above": after[1] - steady[1]}
+        print(f"{self.system} {kind}: update {row['update_s']:.2f}s ({row['gbps']:.2f} GB/s), "
+              f"pause {row['pause_s']:.2f}s, stream gap {row['gap_s']:.2f}s (token {tpot * 1000:.0f} ms), "
+              f"peak +{row['peak_rss_above'] / 1e9:.2f} GB RSS (+{row['peak_anon_above'] / 1e9:.2f} anon), "
+              f"after +{row['after_rss_above'] / 1e9:.2f} GB",
+              file=sys.stderr, flush=True)
+        return row
+
+    def full(self, kind: str = "full") -> dict[str, Any]:
+        self.n += 1
+        size = sum(f.stat().st_size for f in checkpoint_files(self.model))
+        if self.system == "vllm":
+            return self.update(kind, lambda: self.post("/collective_rpc", json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(self.model)}}), size)
+        return self.update(kind, lambda: self.post("/update_weights", json={
+            "weight_dir": str(self.model), "weight_version": f"full-{self.n}"}), size)
+
+
+def tito_deltas(s: Server, steps: list[Path], base: str) -> list[dict[str, Any]]:
+    """Stage (by path, while generating) and commit each delta of the chain; the first is marked, not timed."""
+    rows = []
+    for k, d in enumerate(steps):
+        version = f"delta-{s.n}-{k}"
+        t0 = time.monotonic()
+        staged = s.post("/stage", data={"version": version, "mode": "delta", "base_version": base, "path": str(d)})
+        stage_s = time.monotonic() - t0
+        row = s.update("delta", lambda v=version: s.post("/commit", data={"version": v, "mode": "delta"}),
+                       (d / "delta.stream").stat().st_size)
+        row.update(first=k == 0, stage_s=stage_s, ready=staged.get("ready"))
+        rows.append(row)
+        base = version
+    s.n += 1
+    return rows
+
+
+def tito_broadcasts(s: Server, repeat: int) -> list[dict[str, Any]]:
+    """A trainer process (this script's ``--sender``) broadcasts the model's own tensors ``repeat`` + 1 times."""
+    from tests.helpers import engine_env, free_port
+
+    port = free_port()
+    steps = [s.work / "bcast" / f"b{s.n}-{i}" for i in range(repeat + 1)]
+    for d in steps:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "NCCL_READY").unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--sender", str(port), "--model", str(s.model),
+           *[x for d in steps for x in ("--step-dir", str(d))]]
+    log = (s.work / f"sender-{port}.log").open("wb")
+    sender = subprocess.Popen(cmd, cwd=str(ROOT), env=engine_env(), stdout=log, stderr=subprocess.STDOUT,
+                              process_group=0)
+    rows = []
+    try:
+        s.post("/init_broadcaster", json={"host": "127.0.0.1", "port": port, "rank_offset": 0,
+                                          "inference_world_size": 1, "timeout": 600, "backend": "gloo"})
+        for i, d in enumerate(steps):
+            def call(d: Path = d, i: int = i) -> dict[str, Any]:
+                (d / "NCCL_READY").touch()  # the orchestrator's signal to the trainer
+                return s.post("/update_weights", json={"weight_dir": str(d), "weight_version": f"bcast-{s.n}-{i}"})
+
+            row = s.update("broadcast", call, 0)
+            row["first"] = i == 0
+            rows.append(row)
+        sender.wait(120)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+        log.close()
+    s.n += 1
+    return rows
+
+
+def run_sender(port: int, model: Path, step_dirs: list[Path]) -> int:
+    """The trainer's side of the broadcast: rank 0 of 2, the model's tensors in Prime-RL's order, once per step dir
+    when its NCCL_READY appears (tests/weight_sender.py's wire)."""
+    from datetime import timedelta
+
+    from safetensors.torch import load_file
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    from tests.weight_sender import send_state_dicts, state_dicts, wait_ready
+
+    sd = {}
+    for f in checkpoint_files(model):
+        sd.update(load_file(str(f)))
+    dicts = state_dicts(sd)
+    pg: Any = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, 2, "gloo",
+                                                             timeout=timedelta(seconds=600))
+    for d in step_dirs:
+        wait_ready(d, 900)
+        send_state_dicts(pg, dicts)
+        print(f"sender: sent {d.name}", flush=True)
+    return 0
+
+
+def delta_chain(model: Path, work: Path, n: int, fraction: float) -> list[Path]:
+    """``n`` chained sparse deltas (delta.stream) from the model's weights, each moving ``fraction`` of every tensor's
+    elements; written once per work directory (a ``done`` marker per step, under a file lock: two runs may share the
+    directory)."""
+    import fcntl
+
+    steps = [work / "chain" / f"step_{k}" for k in range(1, n + 1)]
+    with (work / "chain.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all((d / "done").exists() for d in steps):
+            return steps
+        from safetensors.torch import load_file
+
+        from tests.delta_encoder import perturb, write_delta
+
+        sd = {}
+        for f in checkpoint_files(model):
+            sd.update(load_file(str(f)))
+        for k, d in enumerate(steps, start=1):
+            target = perturb(sd, fraction, 1000 + k, scale=0.01)
+            if not (d / "done").exists():
+                write_delta(d / "delta.stream", sd, target)
+                (d / "done").touch()
+                print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
+            sd = target
+    return steps
+
+
+# ------------------------------------------------------------------------------------------ runs and the report
+
+
+def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[str, Any]:
+    import psutil
+
+    files = checkpoint_files(a.model)
+    # The weights, the engine's own memory and the KV cache: other engineers' engines share this machine.
+    need = 1.3 * sum(f.stat().st_size for f in files) + 3e9
+    deadline = time.monotonic() + 90  # the previous system's processes may still be releasing theirs
+    while (free := psutil.virtual_memory().available) < need and time.monotonic() < deadline:
+        time.sleep(2)
+    if free < need:
+        print(f"{system}: skipped, {free / 1e9:.1f} GB available < {need / 1e9:.1f} GB", file=sys.stderr, flush=True)
+        return {"skipped": f"{free / 1e9:.1f} GB available, {need / 1e9:.1f} GB needed", "rows": []}
+    reads = read_speed(files)
+    print(f"{system}: read {reads}", file=sys.stderr, flush=True)
+    s = Server(system, a.model, a.work, a.streams, a.max_model_len)
+    out: dict[str, Any] = {"start_s": s.start_s, "read": reads, "rows": []}
+    try:
+        s.full("warm-up")  # the first update of a server pays one-time costs
+        if system == "vllm" or "full" in a.kinds:
+            out["rows"] += [s.full() for _ in range(a.repeat)]
+        if system == "tito" and "delta" in a.kinds:
+            out["rows"] += tito_deltas(s, steps, f"full-{s.n}")
+        if system == "tito" and "broadcast" in a.kinds:
+            out["rows"] += tito_broadcasts(s, a.repeat)
+        out["stream_errors"] = s.streams.errors
+    finally:
+        s.close()
+    return out
+
+
+def soak(a: argparse.Namespace) -> dict[str, Any]:
+    s = Server("tito", a.model, a.work, a.streams, a.max_model_len)
+    try:
+        s.full("warm-up")
+        rows = [s.full("soak") for _ in range(a.soak)]
+        errors = s.streams.errors
+    finally:
+        s.close()
+    after = [r["steady_rss"] + r["after_rss_above"] for r in rows]
+    anon = [r["steady_anon"] + r["after_anon_above"] for r in rows]
+    return {"rows": rows, "after_rss": after, "after_anon": anon, "slope_rss": slope(after),
+            "slope_anon": slope(anon), "stream_errors": errors, "start_s": s.start_s}
+
+
+def slope(ys: list[float]) -> float:
+    """Least-squares bytes per update."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, statistics.fmean(ys)
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
+    if not xs:
+        return "–"
+    return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
+
+
+LABELS = {("tito", "full"): "tito: full update from disk (`/update_weights`)",
+          ("vllm", "full"): "vLLM's server: `reload_weights` (`/collective_rpc`)",
+          ("tito", "delta"): "tito: staged delta commit (`/commit`)",
+          ("tito", "broadcast"): "tito: broadcast over gloo (`/update_weights`)"}
+
+
+def report(res: dict[str, Any]) -> str:
+    rounds = res["rounds"]
+    size = res["checkpoint_bytes"]
+    lines = [f"{res['model']}: checkpoint {size / 1e9:.2f} GB (largest file {res['largest_file'] / 1e9:.2f} GB), "
+             f"{len(rounds)} round(s), {res['streams']} streams; min / median / max", "",
+             "| update | n | seconds | GB/s | pause, client (pause → resume answered) s | pause a stream saw s | "
+             "token interval before ms | peak RSS above steady GB | peak anon above GB | RSS after, above GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [r for rd in rounds for sysres in rd.values() for r in sysres["rows"]
+            if r["kind"] in ("full", "delta", "broadcast") and not r.get("first")]
+    for (system, kind), label in LABELS.items():
+        xs = [r for r in rows if r["system"] == system and r["kind"] == kind]
+        if not xs:
+            continue
+        lines.append(f"| {label} | {len(xs)} | {spread([r['update_s'] for r in xs])} | "
+                     f"{spread([r['gbps'] for r in xs])} | {spread([r['pause_s'] for r in xs])} | "
+                     f"{spread([r['gap_s'] for r in xs])} | {spread([r['token_s'] * 1000 for r in xs], '{:.0f}')} | "
+                     f"{spread([r['peak_rss_above'] / 1e9 for r in xs])} | "
+                     f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
+                     f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
+    reads = [rd[s]["read"] for rd in rounds for s in rd if "read" in rd[s]]
+    skipped = [f"{s}: {rd[s]['skipped']}" for rd in rounds for s in rd if "skipped" in rd[s]]
+    lines += ["", f"File read speed of the same files, GB/s: cold {spread([r['cold_gbps'] for r in reads])}, "
+                  f"warm {spread([r['warm_gbps'] for r in reads])}"]
+    tito = [r for r in rows if r["system"] == "tito" and r["kind"] == "full"]
+    own = [r["update_s"] - r["reload_s"] for r in tito if r.get("reload_s") is not None]
+    if own:
+        lines.append(f"Inside tito's full updates: vLLM's reload {spread([r['reload_s'] for r in tito])} s, tito's own "
+                     f"part (the tied head re-processed, validation, record, HTTP) {spread(own, '{:.3f}')} s")
+        retie = [r["retie_s"] for r in tito if r.get("retie_s")]
+        if retie:
+            lines.append(f"... of which the tied head re-processed after the reload: {spread(retie, '{:.3f}')} s")
+    by_round = [(rd["tito"]["rows"], rd["vllm"]["rows"]) for rd in rounds if "tito" in rd and "vllm" in rd]
+    for kind, key, goal in (("full", "update_s", "≤ 1.1"), ("full", "gap_s", ""), ("delta", "gap_s", "≤ 0.3"),
+                            ("broadcast", "gap_s", "")):
+        ratios = []
+        for t, v in by_round:
+            ts = [r[key] for r in t if r["kind"] == kind and not r.get("first")]
+            vs = [r[key] for r in v if r["kind"] == "full"]
+            if ts and vs:
+                ratios.append(statistics.median(ts) / statistics.median(vs))
+        if ratios:
+            lines.append(f"tito {kind} / vLLM's reload, {key} (round medians, round by round): {spread(ratios)}"
+                         + (f" (goal {goal})" if goal else ""))
+    if skipped:
+        lines.append("Skipped (memory): " + "; ".join(skipped))
+    starts = {s: [rd[s]["start_s"] for rd in rounds if "start_s" in rd.get(s, {})] for s in ("tito", "vllm")}
+    lines.append("Seconds to healthy: " + "; ".join(f"{s} {spread(v, '{:.0f}')}" for s, v in starts.items() if v))
+    if res.get("soak"):
+        sk = res["soak"]
+        a, b = sk["after_rss"], sk["after_anon"]
+        lines += ["", f"Soak: {len(sk['rows'])} full updates under {res['streams']} streams; RSS after each (GB): "
+                      + ", ".join(f"{x / 1e9:.2f}" for x in a),
+                  f"slope {sk['slope_rss'] / 1e6:+.1f} MB/update (anon {sk['slope_anon'] / 1e6:+.1f}); last - first "
+                  f"{(a[-1] - a[0]) / 1e9:+.3f} GB (anon {(b[-1] - b[0]) / 1e9:+.3f}); update s "
+                  f"{spread([r['update_s'] for r in sk['rows']])}; peak above steady GB "
+                  f"{spread([r['peak_rss_above'] / 1e9 for r in sk['rows']])}; stream errors {sk['stream_errors']}"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="A model directory (absolute path; tito make-tiny-model --shape).")
+    p.add_argument("--work", type=Path, default=None, help="Logs, delta chain, broadcast markers (default: "
+                   "/tmp/tito-bench-updates/<model name>).")
+    p.add_argument("--systems", default="tito,vllm")
+    p.add_argument("--kinds", default="full,delta,broadcast", help="tito's updates: full, delta, broadcast.")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=5, help="Timed updates of each kind per round and system.")
+    p.add_argument("--streams", type=int, default=2, help="Clients streaming /v1/completions throughout.")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--fraction", type=float, default=0.02, help="Share of elements a delta step changes.")
+    p.add_argument("--soak", type=int, default=0, help="Instead: N full updates on tito, memory after each.")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--sender", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--step-dir", type=Path, action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--report", type=Path, nargs="+", default=None, help="Instead: the table of these runs' JSON "
+                   "files together (their rounds pooled; the soak of the last one that has one).")
+    a = p.parse_args()
+    if a.sender is not None:
+        return run_sender(a.sender, a.model, a.step_dir)
+    if a.report:
+        runs = [json.loads(f.read_text()) for f in a.report]
+        pooled = {**runs[0], "rounds": [rd for r in runs for rd in r["rounds"]],
+                  "soak": next((r["soak"] for r in reversed(runs) if r.get("soak")), None)}
+        print(report(pooled))
+        return 0
+    # A timeout's SIGTERM unwinds through the finally blocks, which kill the servers' process groups.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    a.model = a.model.resolve()
+    a.work = (a.work or Path("/tmp/tito-bench-updates") / a.model.name).resolve()
+    a.work.mkdir(parents=True, exist_ok=True)
+    files = checkpoint_files(a.model)
+    res: dict[str, Any] = {"model": str(a.model), "checkpoint_bytes": sum(f.stat().st_size for f in files),
+                           "largest_file": max(f.stat().st_size for f in files), "streams": a.streams, "rounds": [],
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    out = a.json or a.work / ("soak.json" if a.soak else "updates.json")
+    if a.soak:
+        res["soak"] = soak(a)
+    else:
+        systems = [s for s in a.systems.split(",") if s]
+        steps = delta_chain(a.model, a.work, a.repeat + 1, a.fraction) if "tito" in systems and \
+            "delta" in a.kinds else []
+        for i in range(a.rounds):
+            rd: dict[str, Any] = {}
+            for system in (systems if i % 2 == 0 else systems[::-1]):
+                rd[system] = run_system(system, a, steps)
+            res["rounds"].append(rd)
+            out.write_text(json.dumps(res, indent=1))
+    res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    res["table"] = report(res)
+    out.write_text(json.dumps(res, indent=1))
+    print(res["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
