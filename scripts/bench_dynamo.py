@@ -18,7 +18,10 @@ shared machine), and each path's tokens/s and tito CPU as ratios to the direct r
 same round (min / median / max over rounds: the spread tells a change from the machine's noise). The engine's
 CPU per request (tito's child processes: the EngineCore) is reported beside them: at a real shape it is most of the
 machine, and what the frontend and the sidecar spend is taken from it. ``--paths`` runs a subset of the paths (each
-with its direct route); ``--paths ""`` with ``--vllm-bench``: vLLM's client alone.
+with its direct route); ``--paths ""`` with ``--vllm-bench``: vLLM's client alone. ``--profile DIR``: py-spy
+(``--native``, idle frames left out) records the frontend, the sidecar and tito through each path of the first round,
+one collapsed-stack file per path and process (py-spy's own CPU then falls on the measured run: profile in a run of
+its own).
 ``--vllm-bench`` adds vLLM's own benchmark client (``vllm bench serve``: random 32-token text prompts, streamed
 ``/v1/completions``) on tito's route and on the frontend's, in alternating rounds. Needs the ``dynamo`` extra and
 ``ai-dynamo`` (see docs/guides/dynamo.md).
@@ -148,10 +151,38 @@ async def drive(url: str, path: str, body: dict[str, Any], clients: int, request
     return {"lat": lat, "wall": wall, "errors": errors}
 
 
+class Profile:
+    """py-spy on some processes while a ``with`` block runs; each writes ``<prefix>-<name>.txt`` (collapsed stacks)
+    when it is stopped (SIGINT) at the block's end."""
+
+    def __init__(self, out: Path | None, prefix: str, pids: dict[str, int]) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        if out is None:
+            return
+        spy = os.environ.get("PY_SPY", "py-spy")
+        for name, pid in pids.items():
+            self.procs.append(subprocess.Popen(
+                [spy, "record", "--native", "--rate", "50", "--format", "raw", "--pid", str(pid), "--output",
+                 str(out / f"{prefix}-{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def __enter__(self) -> Profile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def measure(url: str, path: str, body: dict[str, Any], clients: int, requests: int, warmup: int,
-            pids: dict[str, list[int]]) -> dict[str, Any]:
+            pids: dict[str, list[int]], profile: Profile | None = None) -> dict[str, Any]:
     before = {k: cpu_seconds(p) for k, p in pids.items()}
-    out = asyncio.run(drive(url, path, body, clients, requests, warmup))
+    with profile or Profile(None, "", {}):
+        out = asyncio.run(drive(url, path, body, clients, requests, warmup))
     n = len(out["lat"]) + warmup * clients  # the warm-up requests count for CPU too
     out["cpu_ms"] = {k: 1000 * (cpu_seconds(p) - before[k]) / n for k, p in pids.items()}
     return out
@@ -216,6 +247,8 @@ def main() -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"a subset of {','.join(PATHS)}; each brings its "
                     "direct route; empty: none (vLLM's client only, with --vllm-bench)")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up requests per client before each measured run")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy the frontend, sidecar and tito through each "
+                    "path of the first round into this folder (py-spy from $PY_SPY or PATH)")
     ns = ap.parse_args()
     wanted = [x for x in ns.paths.split(",") if x]
     if set(wanted) - set(PATHS):
@@ -227,6 +260,8 @@ def main() -> int:
         print(f"{ns.model} has no tokenizer: run tito make-tiny-model {ns.model}", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="bench-dynamo-"))
+    if ns.profile:
+        ns.profile.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp / "kv"), "DYN_NAMESPACE": "bench",
            "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq", "DYN_TCP_RPC_HOST": "127.0.0.1",
            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
@@ -269,9 +304,11 @@ def main() -> int:
         rows, vrows = [], []
         for clients in (int(c) for c in ns.clients.split(",")):
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in paths}
-            for _ in range(ns.rounds):
+            for rnd in range(ns.rounds):
                 for name, (url, path, body) in paths.items():
-                    runs[name].append(measure(url, path, body, clients, ns.requests, ns.warmup, pids))
+                    prof = Profile(ns.profile if rnd == 0 else None, f"c{clients}-{name}",
+                                   {k: pids[k][0] for k in ("frontend", "sidecar", "tito")})
+                    runs[name].append(measure(url, path, body, clients, ns.requests, ns.warmup, pids, prof))
                     print(f"{clients} clients, {name}: {len(runs[name][-1]['lat'])} requests in "
                           f"{runs[name][-1]['wall']:.1f} s, CPU ms/req {runs[name][-1]['cpu_ms']}",
                           file=sys.stderr, flush=True)
