@@ -151,24 +151,50 @@ async def drive(url: str, path: str, body: dict[str, Any], clients: int, request
     return {"lat": lat, "wall": wall, "errors": errors}
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, summed by thread name (``tokio-runtime-w``, ``MainThread``...): py-spy
+    samples only threads that run Python, and the frontend's and the sidecar's work is mostly on Rust threads."""
+    out: dict[str, float] = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (t / "comm").read_text().strip()
+            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 class Profile:
     """py-spy on some processes while a ``with`` block runs; each writes ``<prefix>-<name>.txt`` (collapsed stacks)
-    when it is stopped (SIGINT) at the block's end."""
+    when it is stopped (SIGINT) at the block's end, and ``<prefix>-threads.json``: each process's CPU seconds over
+    the block by thread name."""
 
     def __init__(self, out: Path | None, prefix: str, pids: dict[str, int]) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.out, self.prefix, self.pids = out, prefix, pids
+        self.before: dict[str, dict[str, float]] = {}
         if out is None:
             return
+        self.before = {k: thread_cpu(p) for k, p in pids.items()}
         spy = os.environ.get("PY_SPY", "py-spy")
         for name, pid in pids.items():
+            if name.startswith("engine"):  # the engine's threads are timed, not sampled: no pauses in its steps
+                continue
             self.procs.append(subprocess.Popen(
-                [spy, "record", "--native", "--rate", "50", "--format", "raw", "--pid", str(pid), "--output",
+                [spy, "record", "--native", "--rate", "50", "--format", "raw", "--pid", str(pid),
+                 "--output",
                  str(out / f"{prefix}-{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def __enter__(self) -> Profile:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.out is not None:
+            after = {k: thread_cpu(p) for k, p in self.pids.items()}
+            delta = {k: {t: round(v - self.before[k].get(t, 0.0), 2) for t, v in after[k].items()
+                         if v - self.before[k].get(t, 0.0) > 0} for k in after}
+            (self.out / f"{self.prefix}-threads.json").write_text(json.dumps(delta, indent=1))
         for p in self.procs:
             p.send_signal(signal.SIGINT)
         for p in self.procs:
@@ -307,7 +333,8 @@ def main() -> int:
             for rnd in range(ns.rounds):
                 for name, (url, path, body) in paths.items():
                     prof = Profile(ns.profile if rnd == 0 else None, f"c{clients}-{name}",
-                                   {k: pids[k][0] for k in ("frontend", "sidecar", "tito")})
+                                   {k: pids[k][0] for k in ("frontend", "sidecar", "tito")}
+                                   | {f"engine-{p}": p for p in pids["engine"]})
                     runs[name].append(measure(url, path, body, clients, ns.requests, ns.warmup, pids, prof))
                     print(f"{clients} clients, {name}: {len(runs[name][-1]['lat'])} requests in "
                           f"{runs[name][-1]['wall']:.1f} s, CPU ms/req {runs[name][-1]['cpu_ms']}",
