@@ -2,6 +2,13 @@
 (``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, ``--ignore-eos``), plus, with
 ``--update``, a full weight update from disk on tito at the same model.
 
+The token route (``/inference/v1/generate``, cases ``t16`` and ``t16-stream``): vLLM 0.32's benchmark client has no
+backend for it (its request functions are the OpenAI, embedding, pooling and rerank ones), so those cases are driven
+by tito's own load generator (``scripts/loadgen.py``, the lean keep-alive client, in a process of its own) with the
+same shape: random token prompts of the case's length, ``ignore_eos``, temperature 1 (the load generator's), as
+many warm-up requests as the concurrency. vLLM's server then runs ``--tokens-only`` (its dedicated token server,
+which never detokenizes, as tito's token route never does); token and ``/v1/completions`` cases go in separate runs.
+
 Each round starts tito and vLLM's server (``python -m vllm.entrypoints.openai.api_server``) fresh, one after the
 other (the order alternates round by round), and drives each through the same cases. Per case and system: output
 tokens/s, median TTFT and TPOT, and the CPU milliseconds per request of the serving (API) process; the ratios tito /
@@ -14,6 +21,8 @@ else both at tito's test settings (fp32, ``--max-model-len 512``, eager), equal 
 
     python scripts/bench.py --vllm-bench --rounds 3                          # the tiny model, equal settings
     python scripts/bench.py --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # make bench SHAPE=
+    python scripts/bench.py --vllm-bench --defaults --model models/qwen3-0.6b --cases t16,t16-stream \
+        --tito-args=--enforce-eager --vllm-args=--enforce-eager      # the token route, both eager
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ class Case:
     input_len: int
     output_len: int
     prompts: int
+    route: str = "completions"  # or "tokens": /inference/v1/generate under tito's load generator
+    stream: bool = True
 
 
 CASES = {c.name: c for c in (
@@ -49,6 +60,8 @@ CASES = {c.name: c for c in (
     Case("c16-many", 16, 32, 64, 400),  # the tiny model: enough requests for the CPU per request
     Case("c64", 64, 32, 64, 256),
     Case("c16-long", 16, 1024, 256, 32),
+    Case("t16", 16, 32, 64, 96, "tokens", stream=False),
+    Case("t16-stream", 16, 32, 64, 96, "tokens"),
 )}
 # base: tito from --base (scripts/bench_base.py); eager: tito with --enforce-eager (tito and vLLM compile by default)
 SYSTEMS = ("tito", "eager", "base", "vllm")
@@ -75,12 +88,12 @@ def port_in(ports: tuple[int, int] | None) -> int:
     raise RuntimeError(f"no free port in {ports}")
 
 
-def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str) -> list[str]:
+def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str, tokens_only: bool = False) -> list[str]:
     head = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server"] if system == "vllm"
             else [sys.executable, "-m", "tito", "serve"])
     cmd = [*head, "--model", model, "--port", str(port), "--served-model-name", NAME]
     if system == "vllm":
-        cmd += ["--gpu-memory-utilization", "0.3"]
+        cmd += ["--gpu-memory-utilization", "0.3", *(["--tokens-only"] if tokens_only else [])]
     if system == "eager":
         cmd += ["--enforce-eager"]
     if not defaults:
@@ -92,9 +105,36 @@ def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str) -
     return cmd + shlex.split(extra)
 
 
+def drive_tokens(url: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
+    """A token-route case: a warm-up of ``concurrency`` requests, then the case, each from tito's load generator in a
+    process of its own (``scripts/bench.py --_load``); the API process's CPU over both, per request."""
+    from dataclasses import asdict
+
+    from loadgen import Workload, process_cpu_s
+
+    c0 = process_cpu_s(pid)
+    res: dict[str, Any] = {}
+    for name, n in ((f"{case.name}-warmup", case.concurrency), (case.name, case.prompts)):
+        wl = Workload(name, case.concurrency, case.output_len, case.stream, n, "tok/s", case.input_len)
+        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url,
+                              json.dumps(asdict(wl))], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                             timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(f"the load generator failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+    cpu = process_cpu_s(pid) - c0
+    # The names vLLM's client reports, so one table holds both kinds of case; no TTFT or TPOT: a JSON answer has no
+    # first token, and the load generator reads a stream whole.
+    return {"completed": res["ok"], "failed": res["errors"], "output_throughput": res["tok_s"],
+            "median_ttft_ms": None, "median_tpot_ms": None, "p50_ms": res["p50_ms"],
+            "error_samples": res["error_samples"], "cpu_ms_per_req": 1000.0 * cpu / (case.prompts + case.concurrency)}
+
+
 def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
     from loadgen import process_cpu_s
 
+    if case.route == "tokens":
+        return drive_tokens(url, case, pid, env)
     cmd = [sys.executable, "-c", _CLIENT, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", NAME, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
            str(case.input_len), "--random-output-len", str(case.output_len), "--num-prompts", str(case.prompts),
@@ -193,7 +233,8 @@ def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case]
     out: dict[str, Any] = {}
     for system in order:
         port = port_in(ns.port_range)
-        cmd = server_cmd(system, model, port, ns.defaults, "" if system == "vllm" else ns.tito_args)
+        cmd = server_cmd(system, model, port, ns.defaults, ns.vllm_args if system == "vllm" else ns.tito_args,
+                         tokens_only=all(c.route == "tokens" for c in cases))
         if system == "base":
             assert base is not None
             cmd = from_checkout(cmd, base)
@@ -237,11 +278,15 @@ def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
             if system != "vllm" and both:
                 ratio = (spread([a["output_throughput"] / b["output_throughput"] for a, b in both]),
                          spread([a["cpu_ms_per_req"] / b["cpu_ms_per_req"] for a, b in both]))
-            med = {k: statistics.median(x[k] for x in runs) for k in ("median_tpot_ms", "median_ttft_ms")}
+            med = {k: f"{statistics.median(x[k] for x in runs):.1f}" if runs[0][k] is not None else "-"
+                   for k in ("median_tpot_ms", "median_ttft_ms")}
+            what = ("/v1/completions, streamed" if case.route == "completions" else
+                    f"/inference/v1/generate{', streamed' if case.stream else ''}, p50 "
+                    f"{statistics.median(x['p50_ms'] for x in runs):.0f} ms")
             lines.append(
-                f"| {case.name} ({case.concurrency} concurrent, {case.input_len} in / {case.output_len} out) | "
+                f"| {case.name} ({what}, {case.concurrency} concurrent, {case.input_len} in / {case.output_len} out) | "
                 f"{system} | {spread([x['output_throughput'] for x in runs])} | {ratio[0]} | "
-                f"{med['median_tpot_ms']:.1f} | {med['median_ttft_ms']:.1f} | "
+                f"{med['median_tpot_ms']} | {med['median_ttft_ms']} | "
                 f"{spread([x['cpu_ms_per_req'] for x in runs])} | {ratio[1]} | "
                 f"{sum(x['completed'] for x in runs)} / {sum(x.get('failed', 0) for x in runs)} |")
     ab = [(r["tito"][c.name]["cpu_ms_per_req"] / r["base"][c.name]["cpu_ms_per_req"], c.name)
@@ -267,6 +312,9 @@ def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
 
 def main(ns: Any, model: str) -> int:
     cases = [CASES[c] for c in ns.cases.split(",")]
+    if len({c.route for c in cases}) > 1:
+        # vLLM's server answers the token route --tokens-only, which serves no /v1/completions.
+        raise SystemExit("token-route cases (t16, t16-stream) and /v1/completions cases go in separate runs")
     systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x not in ("base", "eager") or ns.base and
                                                    x == "base")).split(",") if s]
     out = Path(ns.out)

@@ -29,13 +29,14 @@ class Workload:
     stream: bool
     requests: int
     metric: str  # the headline number: tok/s, req/s or p50
+    prompt_len: int = 16  # prompt tokens of a fixed-length workload (max_tokens > 0)
 
     def scaled(self, quick: bool) -> Workload:
         if not quick:
             return self
         c = min(self.clients, 4)
         return Workload(self.name, c, min(self.max_tokens, 8) if self.max_tokens else 0, self.stream, c * 2,
-                        self.metric)
+                        self.metric, self.prompt_len)
 
 
 
@@ -43,7 +44,7 @@ def request_spec(wl: Workload, i: int) -> tuple[list[int], int]:
     """The prompt and max_tokens of request ``i`` of a workload: the same for every system."""
     rng = random.Random(f"{wl.name}-{i}")
     if wl.max_tokens:
-        plen, max_tokens = 16, wl.max_tokens
+        plen, max_tokens = wl.prompt_len, wl.max_tokens
     else:
         plen, max_tokens = rng.choice((8, 32, 128, 256)), rng.choice((1, 8, 32, 128))
         if wl.requests <= 16:  # --quick: keep the smoke short
@@ -104,7 +105,7 @@ def sse_events(body: bytes) -> tuple[list[Any], bool]:
     """The JSON events of a whole SSE answer up to ``data: [DONE]``, and whether that came (a cut stream: False)."""
     import orjson
 
-    events = []
+    events: list[Any] = []
     for event in body.split(b"\n\n"):
         line = event.strip()
         if not line.startswith(b"data:"):

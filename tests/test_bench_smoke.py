@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,3 +151,41 @@ def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:
     with bench.Burner(1.5) as two:  # more than a core: one full-time burner and one at half time
         assert len(two.procs) == 2
     assert all(p.poll() is not None for p in two.procs)
+
+
+def test_token_route_cases_keep_vllm_bench_shape_and_vllm_serves_them_tokens_only() -> None:
+    """vLLM's benchmark client has no backend for /inference/v1/generate: the token-route cases send the same shape
+    (32-token prompts) from the load generator, and vLLM's server answers them as its dedicated token server."""
+    loadgen = _loadgen_module()
+    openai = script_module("bench_openai")
+    case = openai.CASES["t16"]
+    wl = loadgen.Workload(case.name, case.concurrency, case.output_len, case.stream, 2, "tok/s", case.input_len)
+    assert [len(loadgen.request_spec(wl, i)[0]) for i in range(2)] == [32, 32]
+    assert len(loadgen.request_spec(loadgen.Workload("64x64", 64, 64, False, 1, "tok/s"), 0)[0]) == 16
+    vllm = openai.server_cmd("vllm", "m", 1, True, "--enforce-eager", tokens_only=True)
+    assert "--tokens-only" in vllm and vllm[-1] == "--enforce-eager"
+    assert "--tokens-only" not in openai.server_cmd("tito", "m", 1, True, "", tokens_only=True)
+    with pytest.raises(SystemExit, match="separate runs"):
+        openai.main(type("NS", (), {"cases": "c16,t16"})(), "m")
+
+
+def test_bench_dynamo_counts_the_engine_processes_cpu() -> None:
+    """The engine's CPU is that of every process below tito's: a grandchild counts too, a process gone counts 0."""
+    dyn = script_module("bench_dynamo")
+    nap = "import time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, "
+                              f"'-c', {nap!r}]); {nap}"])
+    try:
+        deadline = time.monotonic() + 20
+        while not dyn.descendants(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild = dyn.descendants(child.pid)
+        assert len(grandchild) == 1
+        assert {child.pid, *grandchild} <= set(dyn.descendants(os.getpid()))
+        assert dyn.cpu_seconds([child.pid, *grandchild]) >= 0.0
+        assert dyn.cpu_seconds([2**22 + 1]) == 0.0
+    finally:
+        for pid in dyn.descendants(child.pid):
+            os.kill(pid, signal.SIGKILL)
+        child.kill()
+        child.wait(10)
