@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                    "client, streamed /v1/completions (scripts/bench_openai.py); with --defaults, --update, --cases.")
     p.add_argument("--defaults", action="store_true", help="--vllm-bench: each server at its defaults.")
     p.add_argument("--update", action="store_true", help="--vllm-bench: also a full weight update on tito.")
-    p.add_argument("--cases", default="c16", help="--vllm-bench: comma-separated subset of c16,c64,c16-long.")
+    p.add_argument("--cases", default="c16",
+                   help="--vllm-bench: comma-separated subset of c16,c16-many,c64,c16-long,c16-chat.")
     p.add_argument("--port-range", type=lambda v: tuple(map(int, v.split("-"))), default=None, help="e.g. 18000-18999")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)

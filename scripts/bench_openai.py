@@ -1,5 +1,6 @@
 """``scripts/bench.py --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
-(``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, ``--ignore-eos``), plus, with
+(``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, or ``/v1/chat/completions`` for the
+``-chat`` case, ``--ignore-eos``), plus, with
 ``--update``, a full weight update from disk on tito at the same model.
 
 Each round starts tito and vLLM's server (``python -m vllm.entrypoints.openai.api_server``) fresh, one after the
@@ -42,6 +43,7 @@ class Case:
     input_len: int
     output_len: int
     prompts: int
+    chat: bool = False  # streamed /v1/chat/completions (vLLM's openai-chat backend: include_usage on)
 
 
 CASES = {c.name: c for c in (
@@ -49,6 +51,7 @@ CASES = {c.name: c for c in (
     Case("c16-many", 16, 32, 64, 400),  # the tiny model: enough requests for the CPU per request
     Case("c64", 64, 32, 64, 256),
     Case("c16-long", 16, 1024, 256, 32),
+    Case("c16-chat", 16, 32, 64, 400, chat=True),  # c16-many's load as chat (the tiny model's chat template)
 )}
 # base: tito from --base (scripts/bench_base.py); compiled: tito with --no-enforce-eager (vLLM's default on CPU)
 SYSTEMS = ("tito", "compiled", "base", "vllm")
@@ -95,7 +98,8 @@ def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str) -
 def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
     from loadgen import process_cpu_s
 
-    cmd = [sys.executable, "-c", _CLIENT, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+    api = ("openai-chat", "/v1/chat/completions") if case.chat else ("openai", "/v1/completions")
+    cmd = [sys.executable, "-c", _CLIENT, "--backend", api[0], "--base-url", url, "--endpoint", api[1],
            "--model", NAME, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
            str(case.input_len), "--random-output-len", str(case.output_len), "--num-prompts", str(case.prompts),
            "--max-concurrency", str(case.concurrency), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
