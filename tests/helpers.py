@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+EAGER_ENV = "TITO_ENFORCE_EAGER"
+
+
+def engine_env(extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """The environment of a server the suite or a benchmark starts: this process's, with ``extra`` over it (None
+    removes a name). Eager unless said otherwise (``{EAGER_ENV: None}``: tito's default, torch.compile): a compiled
+    start costs seconds more even on the tiny model, and vLLM's reference server (``vllm_cmd``) runs eager too."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault(EAGER_ENV, "1")
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
+    for k, v in (extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 

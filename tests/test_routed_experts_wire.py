@@ -118,3 +118,23 @@ def test_where_the_cpu_cannot_serve_them(flags: dict[str, Any], reason: str, mon
     settings = Settings(**{"enable_return_routed_experts": True, **flags})
     got = routed_experts_refusal(settings)
     assert (reason in got and got.startswith("--enable-return-routed-experts")) if reason else got == ""
+
+
+@pytest.mark.parametrize(("flags", "eager"), [
+    ({}, False),  # vLLM's default: torch.compile
+    ({"enforce_eager": True}, True),
+    ({"enable_return_routed_experts": True}, True),  # the CPU capture is eager only: implied
+    ({"enable_return_routed_experts": True, "enforce_eager": False}, False),  # given: refused at start (above)
+])
+def test_engine_mode_on_cpu(flags: dict[str, Any], eager: bool) -> None:
+    """tito's CPU engine arguments leave vLLM's defaults (torch.compile, chunked prefill) but where a flag needs
+    eager; the start-up log's compile hint follows the same rule."""
+    from app.engine.engine_setup import compiles, cpu_safe_defaults, engine_args, on_cpu
+
+    if not on_cpu():
+        pytest.skip("tito's CPU defaults")
+    settings = Settings(model="m", **flags)
+    assert cpu_safe_defaults(settings)["enforce_eager"] is eager
+    assert compiles(settings) is not eager
+    if not flags.get("enable_return_routed_experts"):
+        assert engine_args(settings).enable_chunked_prefill is None  # vLLM decides: on for these models

@@ -3,9 +3,11 @@ settings differ from the defaults (rope_theta 1e6).
 
 vLLM rewinds a seeded request's generator (``gen.set_offset``) whenever a step computes fewer tokens than the
 request holds, which a CPU generator cannot do: the EngineCore died. Such steps are chunked prefills: a prompt
-longer than the step's token budget, or the recompute of a preempted request (KV-cache pressure, or the preemption
-a weight update's ``reset_prefix_cache(reset_running_requests=True)`` does to requests frozen by ``pause?mode=keep``)
-shared with other work. tito turns chunked prefill off on CPU, so none of these steps exists."""
+longer than the step's token budget (2,048 tokens, vLLM's CPU default, which tito keeps), or the recompute of a
+preempted request (KV-cache pressure, or the preemption a weight update's
+``reset_prefix_cache(reset_running_requests=True)`` does to requests frozen by ``pause?mode=keep``) shared with other
+work. tito's fix (app/engine/vllm_patches.py, 7) restores such a generator's state instead; these tests fail without
+it (``TITO_VLLM_PATCHES=0``: the engine dies)."""
 
 from __future__ import annotations
 
@@ -84,13 +86,22 @@ def alive(client: httpx.Client) -> None:
 
 
 def test_seeded_prompt_longer_than_a_step_budget(client, fresh):
-    """3000 prompt tokens > vLLM's default 2048-token step budget on CPU: chunked, this killed the engine."""
-    body = seeded(0, 3000, 4)
+    """3000 prompt tokens > the 2048-token step budget: prefilled in two chunks, the first of which samples a token
+    and throws it away. The same request again reads 2,944 of its tokens from the prefix cache and computes the rest
+    in one step, with nothing thrown away: its tokens equal the chunked one's only if the rewind is exact (sampling
+    at temperature 1 over the whole vocabulary: a generator one draw off gives other tokens)."""
+    body = seeded(0, 3000, 8)
     body["stream"] = False
     r = client.post(GEN, json=body)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"][0]["token_ids"]) == 4
-    assert client.post(GEN, json=body).json()["choices"][0]["token_ids"] == r.json()["choices"][0]["token_ids"]
+    chunked = r.json()["choices"][0]["token_ids"]
+    assert len(chunked) == 8
+    hits = metric_value(client.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0
+    again = client.post(GEN, json=body).json()["choices"][0]["token_ids"]
+    assert (metric_value(client.get("/metrics").text, "vllm:prefix_cache_hits_total") or 0.0) - hits >= 2944
+    assert again == chunked
+    other_seed = {**body, "sampling_params": {**body["sampling_params"], "seed": 7}}
+    assert client.post(GEN, json=other_seed).json()["choices"][0]["token_ids"] != chunked  # the seed decides
     alive(client)
 
 

@@ -60,10 +60,10 @@ class Settings:
     scheduling_policy: str = flag("fcfs", "fcfs, or priority to honour the request `priority`.",
                                   choices=("fcfs", "priority"))
     enforce_eager: bool | None = flag(
-        None, "Run the model eagerly, without torch.compile and CUDA graphs (default: on for CPU, where a start is "
-        "~45 s shorter (warm compile cache; minutes cold) and `make test`'s ~26 server starts stay in budget; vLLM "
-        "compiles, which at Qwen3-0.6B's shape decoded 13-16% faster per token (docs/benchmarks, 2026-12-04): "
-        "--no-enforce-eager for throughput; off for GPU, as vLLM).")
+        None, "Run the model eagerly, without torch.compile and CUDA graphs. Default: off, as vLLM (at Qwen3-0.6B's "
+        "shape on CPU compiled decodes 13-16% faster, docs/benchmarks 2026-12-04); a compiled start costs more (the "
+        "first start of a shape compiles for minutes at real shapes, vLLM caches it): --enforce-eager for quick "
+        "starts on small models. On CPU --enable-return-routed-experts implies it.")
     gpu_memory_utilization: float | None = flag(
         None, "Fraction of device memory for vLLM (CPU: of the NUMA node's RAM; default 0.3 on CPU, 0.9 on GPU).")
     num_kv_blocks: int | None = flag(

@@ -146,16 +146,21 @@ class Engine(WorkerCalls):
     @classmethod
     def start(cls, settings: Settings) -> Engine:
         """Build the engine (starts its EngineCore and worker processes; ~20 s on CPU). Blocking: call from a thread."""
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.monotonic()
         args = engine_args(settings)
-        config = args.create_engine_config()  # the CPU platform sets ``spawn`` for the engine's processes here
+        # vllm serve's context, so its step budget and batch defaults are tito's (on CPU: 2,048 tokens, 128
+        # sequences). The CPU platform sets ``spawn`` for the engine's processes here.
+        config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         if on_cpu():
             # Said here, once: ``engine_args`` also runs for the start-up check of the arguments (check_engine).
             log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, "
                      "enforce_eager=%s, chunked prefill %s", os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                     args.gpu_memory_utilization, args.enforce_eager, "on" if args.enable_chunked_prefill else "off")
+                     args.gpu_memory_utilization, config.model_config.enforce_eager,
+                     f"on, {config.scheduler_config.max_num_batched_tokens} tokens per step"
+                     if config.scheduler_config.enable_chunked_prefill else "off")
             if refusal := fork_refusal(settings.engine_start):
                 log.info("engine processes spawned (%s)", refusal)
             else:

@@ -63,8 +63,8 @@ def routed_experts_refusal(settings: Settings) -> str:
                 "(vLLM 0.32 captures routed experts only in its GPU Model Runner V2), which is not applied here "
                 "(TITO_VLLM_PATCHES=0, or a vLLM version it was not written for). Start without it, or with the fix.")
     if settings.enforce_eager is False:
-        return ("--enable-return-routed-experts on the CPU platform needs --enforce-eager (tito's CPU default): under "
-                "torch.compile the CPU runner's capture is lost (measured: every id 0).")
+        return ("--enable-return-routed-experts on the CPU platform needs --enforce-eager (implied when not given): "
+                "under torch.compile the CPU runner's capture is lost (measured: every id 0).")
     from app.engine.process_start import fork_refusal
 
     if why := fork_refusal(settings.engine_start):

@@ -49,6 +49,14 @@ the fixes). docs/guides/lora-exactness.md describes them.
    every MoE layer computes with garbage after the first update (measured on the tiny MoE: the first MoE layer's
    routing, which reads no expert weights, followed the update; the second's and the tokens did not). The fix
    prepacks again after each update, as the first load does.
+7. Seeded sampling with chunked prefill on CPU (vLLM pull request 10097 wrote the rewind for CUDA's Philox
+   generators; vllm-rbln pull request 1025 and vllm-qaic pull request 92 met it in their CPU-generator runners): a
+   step that computes only part of a request (a chunk of a long prompt, or of a preempted request's recompute) still
+   samples a token for it, throws it away, and steps the request's generator back with ``set_offset``, which a CPU
+   generator (mt19937) refuses: the EngineCore dies at the first seeded request longer than a step. The fix saves
+   each such generator's state before sampling and restores it after, so the request draws exactly as if the chunk
+   had not sampled; vLLM's own rewind then skips those rows. This is what lets tito run vLLM's CPU default, chunked
+   prefill on.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ def install() -> list[str]:
 
     if os.environ.get(ENV, "1") == "0":
         log.warning("%s=0: tito's fixes to vLLM (LoRA prompt logprobs, CPU no-adapter rows, CPU busy wait, AMX "
-                    "permission, routed experts on CPU, CPU MoE weight updates) are NOT applied", ENV)
+                    "permission, routed experts on CPU, CPU MoE weight updates, CPU seeded rewind) are NOT applied",
+                    ENV)
         return []
     if not vllm.__version__.startswith(SUPPORTED):
         log.warning("vLLM %s is not one tito's vLLM fixes were written for (%s): none applied; LoRA prompt logprobs "
@@ -95,6 +104,8 @@ def install() -> list[str]:
         _applied.append("cpu-routed-experts (vLLM #45635, tpu-inference #3636)")
     if _patch_cpu_moe_reload():
         _applied.append("cpu-moe-weight-update (vLLM #48312, #42821)")
+    if _patch_cpu_seeded_rewind():
+        _applied.append("cpu-seeded-rewind (vLLM #10097)")
     log.info("vLLM %s with tito's fixes: %s", vllm.__version__, "; ".join(_applied))
     return list(_applied)
 
@@ -463,3 +474,63 @@ def _prepacking_again(original: Callable[[Any, Any], None]) -> Callable[[Any, An
 
     setattr(process_weights_after_loading, _MARK, True)
     return process_weights_after_loading
+
+
+# ------------------------------------------------------------------------------------------ 7. CPU seeded rewind
+
+
+def _patch_cpu_seeded_rewind() -> bool:
+    """vLLM pull request 10097's rewind of a discarded sample, made for CPU generators; on the CPU platform only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
+
+    if not getattr(Runner._sample, _MARK, False):
+        Runner._sample = _restoring_discarded(Runner._sample)  # type: ignore[method-assign]
+        Runner._bookkeeping_sync = _without_discarded(Runner._bookkeeping_sync)  # type: ignore[method-assign]
+    return True
+
+
+def _discarded_generators(runner: Any) -> dict[int, Any]:
+    """The seeded generators of the rows whose sample this step throws away (a chunk of a longer prefill)."""
+    n = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators
+    return {i: gens[i] for i in map(int, runner.discard_request_mask.np[:n].nonzero()[0]) if i in gens}
+
+
+def _restoring_discarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_sample`` that puts each discarded row's generator back where it was before sampling: a CPU generator
+    (mt19937) has no offset to step back, but its whole state can be saved and restored, which is exact."""
+
+    @functools.wraps(original)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = {i: g.get_state() for i, g in _discarded_generators(self).items()}
+        out = original(self, *args, **kwargs)
+        for i, state in saved.items():
+            self.input_batch.generators[i].set_state(state)
+        return out
+
+    setattr(_sample, _MARK, True)
+    return _sample
+
+
+def _without_discarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_bookkeeping_sync`` with the discarded rows' generators out of its sight: their rewind is done, and its own
+    (``set_offset``) raises on a CPU generator."""
+
+    @functools.wraps(original)
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gens = self.input_batch.generators
+        skip = _discarded_generators(self)
+        if not skip:
+            return original(self, *args, **kwargs)
+        self.input_batch.generators = {i: g for i, g in gens.items() if i not in skip}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = gens
+
+    setattr(_bookkeeping_sync, _MARK, True)
+    return _bookkeeping_sync

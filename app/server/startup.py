@@ -36,6 +36,7 @@ log = logging.getLogger("tito")
 
 # Exit code when the engine could not start (the server had bound its port already).
 START_FAILED = 3
+START_PROGRESS_S = 30.0
 
 
 class Service(Protocol):
@@ -133,6 +134,7 @@ async def start_engine(app: FastAPI) -> AppState:
     t0 = time.monotonic()
     building = app.state.engine_build = asyncio.ensure_future(asyncio.to_thread(Engine.start, settings))
     try:
+        await _say_progress(building, settings, t0)
         engine = await asyncio.shield(building)
     except BaseException as e:
         _fail(app, f"engine failed to start after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", e)
@@ -144,6 +146,18 @@ async def start_engine(app: FastAPI) -> AppState:
     except BaseException as e:
         _fail(app, f"engine start-up failed: {type(e).__name__}: {e}", e)
         raise
+
+
+async def _say_progress(building: asyncio.Future[Engine], settings: Settings, t0: float) -> None:
+    """A line every ``START_PROGRESS_S`` while the engine starts: a compiled start at a real shape takes minutes the
+    first time, and a silent log looks hung."""
+    from app.engine.engine_setup import compiles
+
+    while not (await asyncio.wait({building}, timeout=START_PROGRESS_S))[0]:
+        log.info("engine still starting (%.0fs)%s", time.monotonic() - t0,
+                 ": torch.compile compiles the model at its first start of a shape (minutes at 0.6B parameters and up; "
+                 "vLLM caches it under VLLM_CACHE_ROOT, ~/.cache/vllm, for the next start); --enforce-eager skips "
+                 "it" if compiles(settings) else "")
 
 
 def _fail(app: FastAPI, message: str, exc: BaseException) -> None:
