@@ -1,7 +1,6 @@
 """``scripts/bench.py --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
 (``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, or ``/v1/chat/completions`` for the
-``-chat`` case, ``--ignore-eos``), plus, with
-``--update``, a full weight update from disk on tito at the same model.
+``-chat`` case, ``--ignore-eos``), plus, with ``--update``, a full weight update from disk on tito at the same model.
 
 Each round starts tito and vLLM's server (``python -m vllm.entrypoints.openai.api_server``) fresh, one after the
 other (the order alternates round by round), and drives each through the same cases. Per case and system: output
@@ -14,6 +13,7 @@ which it refuses to start on a 24 GiB machine with other work running);
 else both at tito's test settings (fp32, ``--max-model-len 512``, eager), equal settings.
 
     python scripts/bench.py --vllm-bench --rounds 3                          # the tiny model, equal settings
+    python scripts/bench.py --vllm-bench --base main --cases c16-chat        # streamed chat, tito vs main vs vLLM
     python scripts/bench.py --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # make bench SHAPE=
 """
 
