@@ -405,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                    "client, streamed /v1/completions (scripts/bench_openai.py); with --defaults, --update, --cases.")
     p.add_argument("--defaults", action="store_true", help="--vllm-bench: each server at its defaults.")
     p.add_argument("--update", action="store_true", help="--vllm-bench: also a full weight update on tito.")
-    p.add_argument("--cases", default="c16", help="--vllm-bench: comma-separated subset of c16,c16-many,c64,c16-long "
-                   "(/v1/completions, vLLM's client) or of t16,t16-stream (the token route, tito's load generator).")
+    p.add_argument("--cases", default="c16", help="--vllm-bench: comma-separated subset of c16,c16-many,c64,c16-long, "
+                   "c16-chat (vLLM's client: /v1/completions, /v1/chat/completions) or of t16,t16-stream (the token "
+                   "route, tito's load generator).")
     p.add_argument("--vllm-args", default="", help="--vllm-bench: extra flags for vLLM's server, e.g. "
                    "--vllm-args=--enforce-eager.")
     p.add_argument("--port-range", type=lambda v: tuple(map(int, v.split("-"))), default=None, help="e.g. 18000-18999")

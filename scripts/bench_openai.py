@@ -1,6 +1,6 @@
 """``scripts/bench.py --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
-(``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, ``--ignore-eos``), plus, with
-``--update``, a full weight update from disk on tito at the same model.
+(``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, or ``/v1/chat/completions`` for the
+``-chat`` case, ``--ignore-eos``), plus, with ``--update``, a full weight update from disk on tito at the same model.
 
 The token route (``/inference/v1/generate``, cases ``t16`` and ``t16-stream``): vLLM 0.32's benchmark client has no
 backend for it (its request functions are the OpenAI, embedding, pooling and rerank ones), so those cases are driven
@@ -20,6 +20,7 @@ which it refuses to start on a 24 GiB machine with other work running);
 else both at tito's test settings (fp32, ``--max-model-len 512``, eager), equal settings.
 
     python scripts/bench.py --vllm-bench --rounds 3                          # the tiny model, equal settings
+    python scripts/bench.py --vllm-bench --base main --cases c16-chat        # streamed chat, tito vs main vs vLLM
     python scripts/bench.py --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # make bench SHAPE=
     python scripts/bench.py --vllm-bench --defaults --model models/qwen3-0.6b --cases t16,t16-stream \
         --tito-args=--enforce-eager --vllm-args=--enforce-eager      # the token route, both eager
@@ -53,6 +54,7 @@ class Case:
     prompts: int
     route: str = "completions"  # or "tokens": /inference/v1/generate under tito's load generator
     stream: bool = True
+    chat: bool = False  # streamed /v1/chat/completions (vLLM's openai-chat backend: include_usage on)
 
 
 CASES = {c.name: c for c in (
@@ -62,6 +64,7 @@ CASES = {c.name: c for c in (
     Case("c16-long", 16, 1024, 256, 32),
     Case("t16", 16, 32, 64, 96, "tokens", stream=False),
     Case("t16-stream", 16, 32, 64, 96, "tokens"),
+    Case("c16-chat", 16, 32, 64, 400, chat=True),  # c16-many's load as chat (the tiny model's chat template)
 )}
 # base: tito from --base (scripts/bench_base.py); eager: tito with --enforce-eager (tito and vLLM compile by default)
 SYSTEMS = ("tito", "eager", "base", "vllm")
@@ -135,7 +138,8 @@ def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str]) -> di
 
     if case.route == "tokens":
         return drive_tokens(url, case, pid, env)
-    cmd = [sys.executable, "-c", _CLIENT, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+    api = ("openai-chat", "/v1/chat/completions") if case.chat else ("openai", "/v1/completions")
+    cmd = [sys.executable, "-c", _CLIENT, "--backend", api[0], "--base-url", url, "--endpoint", api[1],
            "--model", NAME, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
            str(case.input_len), "--random-output-len", str(case.output_len), "--num-prompts", str(case.prompts),
            "--max-concurrency", str(case.concurrency), "--ignore-eos", "--temperature", "0", "--disable-tqdm",

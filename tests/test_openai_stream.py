@@ -31,8 +31,15 @@ def _handlers(**attrs: Any) -> tuple[Any, Any]:
 
     from app.engine.openai_stream import completion_class
 
+    extract = {"_extract_prompt_text": lambda engine_input: f"<prompt of {len(engine_input['prompt_token_ids'])}> "}
+    return bare_handlers(OpenAIServingCompletion, completion_class(), {**extract, **attrs})
+
+
+def bare_handlers(theirs: type, ours: type, attrs: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's handler class and tito's as instances without ``__init__`` (no engine): the server options their
+    stream generators read, at vLLM's defaults but for the cached-token count (tito's), then ``attrs``."""
     out = []
-    for cls in (OpenAIServingCompletion, completion_class()):
+    for cls in (theirs, ours):
         h = object.__new__(cls)
         h.enable_force_include_usage = False
         h.enable_prompt_tokens_details = True
@@ -40,7 +47,6 @@ def _handlers(**attrs: Any) -> tuple[Any, Any]:
         h.return_tokens_as_token_ids = False
         h.system_fingerprint = None
         h.log_error_stack = False
-        h._extract_prompt_text = lambda engine_input: f"<prompt of {len(engine_input['prompt_token_ids'])}> "
         for k, v in attrs.items():
             setattr(h, k, v)
         out.append(h)

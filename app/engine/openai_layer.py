@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from app.core.multimodal import MediaPolicy, check_url
 from app.core.protocol import ApiError, bad_request, validation_error
 from app.engine.errors import vllm_error_response
+from app.engine.openai_chat_stream import chat_class
 from app.engine.openai_stream import completion_class
 from app.engine.sampling import Limits, check_engine_params, check_ids
 
@@ -227,7 +228,6 @@ class OpenAILayer:
                  salt: Callable[[], str | None] = lambda: None) -> None:
         """``options``: vLLM's front-end arguments (``vllm_args.frontend_options``: chat template, tool and reasoning
         parsers, ...), applied to each handler as vLLM's own server applies them."""
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.scale_out.render.serving import ServingRender
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
@@ -258,7 +258,7 @@ class OpenAILayer:
             client, self.models, online_renderer=renderer, enable_prompt_tokens_details=details,
             **pick(common, "request_logger", "return_tokens_as_token_ids", "enable_force_include_usage",
                    "enable_per_request_metrics"))
-        self.chat = OpenAIServingChat(
+        self.chat = chat_class()(  # the same, its plain streams written without a model per chunk
             client, self.models, o.response_role, online_renderer=renderer, enable_prompt_tokens_details=details,
             **pick(common, "request_logger", "chat_template", "chat_template_content_format",
                    "default_chat_template_kwargs", "trust_request_chat_template", "return_tokens_as_token_ids",
@@ -442,10 +442,10 @@ class OpenAILayer:
         return added
 
     async def _events(self, call: _Call, events: AsyncIterator[Any], n: int, chat: bool) -> AsyncIterator[bytes]:
-        """The stream's events as bytes, tito's spans added to the chunks that finish a choice. vLLM's chat handler
-        yields strings; the completion handler (``openai_stream``) bytes, and the finishing chunks as dicts. Once a
-        stream of one choice has finished, what follows (usage, ``[DONE]``) is made without waiting on the engine, so
-        it is held back and goes out with the finishing chunk in one write."""
+        """The stream's events as bytes, tito's spans added to the chunks that finish a choice. vLLM's generators
+        yield strings; tito's (``openai_stream``, ``openai_chat_stream``) bytes, and the finishing chunks as dicts.
+        Once a stream of one choice has finished, what follows (usage, ``[DONE]``) is made without waiting on the
+        engine, so it is held back and goes out with the finishing chunk in one write."""
         held: list[bytes] | None = None
         single = n == 1 and len(call.slots) == 1
         try:

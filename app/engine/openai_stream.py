@@ -25,8 +25,26 @@ if TYPE_CHECKING:
 Event = bytes | dict[str, Any]
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
+def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def request_metrics(timing: bool, last_res: Any, completion_tokens: int) -> Any:
+    """The metrics vLLM's generators put on the usage chunk of a one-sequence request: timings when the server
+    asks for them (``timing``), speculative decoding's acceptance when there is any."""
+    from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
+    from vllm.entrypoints.generate.base.serving import build_per_request_timing_metrics, build_spec_decoding_metrics
+
+    metrics = None
+    if timing:
+        metrics = build_per_request_timing_metrics(last_res.metrics if last_res is not None else None,
+                                                   completion_tokens)
+    spec_stats = build_spec_decoding_metrics(last_res)
+    if spec_stats is not None:
+        if metrics is None:
+            metrics = PerRequestMetrics()
+        metrics.speculative_decoding = spec_stats
+    return metrics
 
 
 def completion_class() -> type:
@@ -124,7 +142,7 @@ def completion_class() -> type:
                                               "total_tokens": prompt_tokens + completion_tokens,
                                               "completion_tokens": completion_tokens}
                         if finish_reason is None:
-                            yield _sse(chunk)
+                            yield sse(chunk)
                             continue
                         if fingerprint is not None:
                             chunk["system_fingerprint"] = fingerprint
@@ -154,22 +172,9 @@ def completion_class() -> type:
         def _final_usage(self, request: CompletionRequest, num_prompts: int, last_res: Any, usage: Any,
                          total_completion_tokens: int, request_id: str, created_time: int, model_name: str) -> str:
             """vLLM's usage chunk, through its model as vLLM makes it (once per request)."""
-            from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
-            from vllm.entrypoints.generate.base.serving import (
-                build_per_request_timing_metrics,
-                build_spec_decoding_metrics,
-            )
-
             metrics = None
             if num_prompts == 1 and (request.n or 1) == 1:
-                if self.enable_per_request_metrics:
-                    metrics = build_per_request_timing_metrics(
-                        last_res.metrics if last_res is not None else None, total_completion_tokens)
-                spec_stats = build_spec_decoding_metrics(last_res)
-                if spec_stats is not None:
-                    if metrics is None:
-                        metrics = PerRequestMetrics()
-                    metrics.speculative_decoding = spec_stats
+                metrics = request_metrics(self.enable_per_request_metrics, last_res, total_completion_tokens)
             chunk = CompletionStreamResponse(id=request_id, created=created_time, model=model_name, choices=[],
                                              usage=usage, system_fingerprint=self.system_fingerprint,
                                              metrics=metrics)
