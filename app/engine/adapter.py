@@ -6,7 +6,6 @@ A vLLM upgrade should touch this module (and ``sampling.py``) only. Nothing here
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -171,11 +170,6 @@ class Engine(WorkerCalls):
 
                 install_vllm_patches()
                 use_fork()
-                # The children inherit this process's heap (the server, FastAPI, the tokenizer, vLLM): frozen, their
-                # garbage collector leaves those objects alone instead of walking them again at every collection of
-                # the engine's loops, and copy-on-write keeps them shared.
-                gc.collect()
-                gc.freeze()
                 log.info("engine processes forked from this one (--engine-start fork)")
         llm = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
                                         disable_log_stats=args.disable_log_stats)
