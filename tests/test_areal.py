@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +22,18 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ServerProcess, free_port, restore_server
 from tests.reference import Reference
+from tests.venv_build import wait_for_build
 
 pytestmark = pytest.mark.engine
 
 DRIVERS = Path(__file__).parent / "trainer_clients"
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]  # the driver's
 LONG_PROMPT = [7, 7, 3, 9]
-BUILD_TIMEOUT = 1800.0
 
 
 def areal_python() -> Path | None:
     """AReaL's venv (``make areal``; ``make test`` builds it in the background and this waits for that build)."""
-    build = os.environ.get("TITO_AREAL_BUILD")
-    if build and Path(build).is_file():
-        rc = Path(build + ".rc")
-        deadline = time.monotonic() + BUILD_TIMEOUT
-        while not rc.is_file():
-            assert time.monotonic() < deadline, f"AReaL's venv still building after {BUILD_TIMEOUT:.0f} s: {build}"
-            time.sleep(2.0)
-        assert rc.read_text().strip() == "0", f"building AReaL's venv failed:\n{Path(build).read_text()[-3000:]}"
+    wait_for_build("TITO_AREAL_BUILD", "AReaL")
     venv = Path(os.environ.get("TITO_AREAL_VENV") or Path.home() / ".cache" / "tito" / "venv-areal")
     py = venv / "bin" / "python"
     return py if (venv / ".installed").is_file() and py.is_file() else None

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import httpx
 import pytest
 
 from tests.helpers import ServerProcess, restore_server
+from tests.venv_build import wait_for_build
 
 pytestmark = pytest.mark.engine
 
@@ -34,27 +34,9 @@ DRIVERS = Path(__file__).parent / "trainer_clients"
 TOL = 1e-4
 
 
-BUILD_TIMEOUT = 1800.0  # s: SkyRL's venv being built in the background (3 to 19 minutes measured for its download)
-
-
-def _wait_for_build() -> None:
-    """``make test`` builds SkyRL's venv in the background while the suite runs (``trainers-bg`` in the Makefile):
-    wait until that build has ended (``<log>.rc``); its failure fails the test instead of skipping SkyRL."""
-    build = os.environ.get("TITO_TRAINERS_BUILD")
-    if not build or not Path(build).is_file():
-        return
-    log, rc, pid = Path(build), Path(build + ".rc"), Path(build + ".pid")
-    deadline = time.monotonic() + BUILD_TIMEOUT
-    while not rc.is_file():
-        assert time.monotonic() < deadline, f"SkyRL's venv still building after {BUILD_TIMEOUT:.0f} s: {log}"
-        if pid.is_file() and not Path(f"/proc/{pid.read_text().strip()}").exists() and not rc.is_file():
-            raise AssertionError(f"SkyRL's venv build ended without a status:\n{log.read_text()[-3000:]}")
-        time.sleep(2.0)
-    assert rc.read_text().strip() == "0", f"building SkyRL's venv failed:\n{log.read_text()[-3000:]}"
-
-
 def _trainers_python() -> Path | None:
-    _wait_for_build()
+    # make test builds SkyRL's venv in the background (trainers-bg): its failure fails the test, not a skip.
+    wait_for_build("TITO_TRAINERS_BUILD", "SkyRL")
     venv = Path(os.environ.get("TITO_TRAINERS_VENV") or Path.home() / ".cache" / "tito" / "venv-trainers")
     py = venv / "bin" / "python"
     return py if (venv / ".installed").is_file() and py.is_file() else None

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from tests.venv_build import wait_for_build
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PRIME_RL_SRC = Path(os.environ.get("TITO_PRIME_RL_SRC", ROOT.parent / "shared" / "thirdparty" / "prime-rl"))
@@ -34,34 +36,17 @@ PRIME_RL_VENV = Path(os.environ.get("TITO_PRIME_RL_VENV", Path.home() / ".cache"
 TASKSET = "tito-even"
 
 
-BUILD_TIMEOUT = 1800.0  # s: Prime-RL's venv being built in the background by `make test` (a fresh machine downloads it)
 
 
 def prime_rl_missing() -> str | None:
     """Why Prime-RL's processes cannot run here (None when they can). ``make test`` builds Prime-RL's venv in the
     background (``prime-rl-bg``): this waits for that build to end first, and its failure is an error, not a reason."""
-    _wait_for_build()
+    wait_for_build("TITO_PRIME_RL_BUILD", "Prime-RL")
     if not (PRIME_RL_SRC / "src" / "prime_rl").is_dir():
         return f"Prime-RL's source snapshot is not at {PRIME_RL_SRC} (set TITO_PRIME_RL_SRC)"
     if not (PRIME_RL_VENV / ".installed").is_file():
         return f"Prime-RL's venv is not built at {PRIME_RL_VENV} (make prime-rl)"
     return None
-
-
-def _wait_for_build() -> None:
-    build = os.environ.get("TITO_PRIME_RL_BUILD")
-    if not build or not Path(build).is_file():
-        return
-    log, rc, pid = Path(build), Path(build + ".rc"), Path(build + ".pid")
-    deadline = time.monotonic() + BUILD_TIMEOUT
-    while not rc.is_file():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Prime-RL's venv still building after {BUILD_TIMEOUT:.0f}s: {log}")
-        if pid.is_file() and not Path(f"/proc/{pid.read_text().strip()}").exists() and not rc.is_file():
-            raise RuntimeError(f"Prime-RL's venv build ended without a status:\n{log.read_text()[-3000:]}")
-        time.sleep(2.0)
-    if rc.read_text().strip() != "0":
-        raise RuntimeError(f"building Prime-RL's venv failed:\n{log.read_text()[-3000:]}")
 
 
 def free_port() -> int:
