@@ -47,14 +47,11 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     if not on_cpu():
         return {
             "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
-            "enforce_eager": bool(settings.enforce_eager),
+            "enforce_eager": not compiles(settings),
         }
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
-    eager = settings.enforce_eager
-    if eager is None:
-        eager = bool(settings.enable_return_routed_experts)
-    return {"gpu_memory_utilization": settings.gpu_memory_utilization or 0.3, "enforce_eager": eager}
+    return {"gpu_memory_utilization": settings.gpu_memory_utilization or 0.3, "enforce_eager": not compiles(settings)}
 
 
 def compiles(settings: Settings) -> bool:
