@@ -34,11 +34,14 @@ help:
 	@echo "make model   - write the tiny default model at $(TINY_MODEL)"
 	@echo "make trainers - the venv of SkyRL's clients (TRAINERS_VENV=$(TRAINERS_VENV)) for tests/test_trainers.py"
 	@echo "make areal   - the venv of AReaL's clients (AREAL_VENV=$(AREAL_VENV)) for tests/test_areal.py"
-	@echo "make bench   - scripts/bench.py (tito vs the engine in-process vs vLLM's own server, BENCH_ARGS=...), then"
-	@echo "               scripts/bench_weights.py (weight updates vs vLLM's reload; takes no BENCH_ARGS), into results/"
+	@echo "make bench   - python -m benchmarks serving (tito vs the engine in-process vs vLLM's own server, BENCH_ARGS=...),"
+	@echo "               then python -m benchmarks weights (updates vs vLLM's reload; takes no BENCH_ARGS), into results/"
 	@echo "               BASE=<commit or checkout>: the working tree against it in the same run (A/B, rounds alternated)"
 	@echo "               SHAPE=qwen3-0.6b|qwen3-1.7b|qwen3-4b: instead, that random model (models/<shape>): tito and"
 	@echo "               vLLM's server at their defaults under vLLM's own client, and a full weight update"
+	@echo "make bench-updates - weight updates at SHAPE (default qwen3-0.6b) with streams running: full, staged delta,"
+	@echo "               broadcast, vLLM's reload (UPDATES_ARGS=...; python -m benchmarks updates --help); every"
+	@echo "               benchmark: python -m benchmarks (the list), python -m benchmarks NAME --help"
 	@echo "make seed-run - Prime-RL's orchestrator, unchanged, finding tito through Dynamo: 3 steps at Qwen3-0.6B's shape"
 	@echo "               (OUT=dir, MODEL=dir, SEED_ARGS=...; scripts/seed_run.py --help)"
 	@echo "make prime-rl - the venv of Prime-RL's orchestrator (PRIME_RL_VENV=$(PRIME_RL_VENV)), for seed-run and the tests"
@@ -188,8 +191,8 @@ dynamo: $(MODEL_READY) $(VENV)/.installed-dynamo
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check app routers tito tests scripts
-	$(BIN)/mypy app routers tito
+	$(BIN)/ruff check app routers tito tests scripts benchmarks
+	$(BIN)/mypy app routers tito benchmarks
 	$(BIN)/python scripts/gen_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
@@ -209,7 +212,7 @@ test: trainers-bg areal-bg prime-rl-bg $(VENV)/.installed-test $(MODEL_READY)
 # nothing). Tables on stdout (serving, then weight updates against vLLM's own reload), results/bench*.json, bench.png.
 # BASE=<commit or checkout>: also that tree's tito, its server started from its own tree, in the same rounds.
 # SHAPE=: streamed /v1/completions under vLLM's own benchmark client (vllm.benchmarks.serve), tito and vLLM's server,
-# each at its defaults (both compile), rounds alternated; then a full update on tito (scripts/bench_openai.py).
+# each at its defaults (both compile), rounds alternated; then a full update on tito (benchmarks/serving_vllm.py).
 # BENCH_ARGS=--cases c16,c64,c16-long adds the 64-concurrent and 1,024/256 cases; --systems tito,eager,vllm adds tito
 # with --enforce-eager.
 ifneq ($(SHAPE),)
@@ -217,16 +220,16 @@ ifeq ($(filter $(SHAPE),$(SHAPES)),)
 $(error SHAPE=$(SHAPE): one of $(SHAPES))
 endif
 bench: $(VENV)/.installed-test models/$(SHAPE)/config.json
-	$(BIN)/python scripts/bench.py --vllm-bench --defaults --update --systems tito,vllm \
+	$(BIN)/python -m benchmarks serving --vllm-bench --defaults --update --systems tito,vllm \
 	  --model models/$(SHAPE) --out results --start-timeout 900 $(BENCH_ARGS)
 else
 bench: $(VENV)/.installed-test $(MODEL_READY)
-	$(BIN)/python scripts/bench.py --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
-	$(BIN)/python scripts/bench_weights.py --json results/bench_weights.json
+	$(BIN)/python -m benchmarks serving --model $(MODEL) --out results $(if $(BASE),--base $(BASE)) $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks weights --json results/bench_weights.json
 endif
 
 # make bench-updates SHAPE=qwen3-0.6b (the default; also qwen3-1.7b, qwen3-4b): weight updates at that shape with
-# streaming clients running (scripts/bench_updates.py): tito's full update from disk, staged delta commit and gloo
+# streaming clients running (python -m benchmarks updates): tito's full update from disk, staged delta commit and gloo
 # broadcast against vLLM's own reload of the same files; seconds, GB/s against the file read speed, the pause a stream
 # saw, peak memory. UPDATES_ARGS=... more flags (--soak 20: the soak instead; --kinds full; --systems tito).
 UPDATES_SHAPE := $(or $(SHAPE),qwen3-0.6b)
@@ -234,7 +237,7 @@ UPDATES_ARGS  ?=
 .PHONY: bench-updates
 bench-updates: $(VENV)/.installed-test models/$(UPDATES_SHAPE)/config.json
 	mkdir -p results
-	$(BIN)/python scripts/bench_updates.py --model $(abspath models/$(UPDATES_SHAPE)) \
+	$(BIN)/python -m benchmarks updates --model $(abspath models/$(UPDATES_SHAPE)) \
 	  --json results/bench-updates-$(UPDATES_SHAPE).json $(UPDATES_ARGS)
 
 # The seed's run: Prime-RL's orchestrator, unchanged, finding tito through Dynamo, 3 steps at Qwen3-0.6B's shape
