@@ -57,7 +57,17 @@ import pytest
 
 from app.tiny.model import make_tiny_model
 from tests import budget
-from tests.helpers import EAGER_ENV, OFFLINE_ENV, ServerProcess, Wait, current_module, engine_env, free_port, tito_cmd, vllm_cmd
+from tests.helpers import (
+    EAGER_ENV,
+    OFFLINE_ENV,
+    ServerProcess,
+    Wait,
+    current_module,
+    engine_env,
+    free_port,
+    tito_cmd,
+    vllm_cmd,
+)
 from tests.streaming import GEN, long_context_model
 
 if TYPE_CHECKING:
