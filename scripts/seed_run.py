@@ -231,8 +231,12 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-inflight", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48, help="Completion tokens per rollout.")
+    p.add_argument("--max-tokens", type=int, default=128, help="Completion tokens per rollout.")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-layers", type=int, default=2,
+                   help="The stand-in trainer trains the last N transformer blocks and the final norm (0: the whole "
+                   "model; on 2 CPU cores shared with tito a whole-model step at 0.6B is slower than the "
+                   "orchestrator's next batch, so the last version would not be applied).")
     p.add_argument("--out", type=Path, default=None, help="Output directory (default: a new temporary one).")
     p.add_argument("--tito-arg", action="append", default=[], help="One more argument for tito serve (repeatable).")
     a = p.parse_args()
@@ -276,7 +280,7 @@ def main() -> int:
         requests0 = _metric(stack.tito_url, "vllm:request_success_total")
         run = PrimeRun(out, a.model, a.served_name, base_url, admin, steps=a.steps, seq_len=a.max_model_len,
                        batch_size=a.batch_size, group_size=a.group_size, max_inflight=a.max_inflight,
-                       max_tokens=a.max_tokens, lr=a.lr, timeout=3600)
+                       max_tokens=a.max_tokens, lr=a.lr, train_layers=a.train_layers, timeout=3600)
         probes: dict[int, bool] = {}
 
         def on_version(k: int) -> None:
