@@ -60,6 +60,7 @@ def main() -> int:
     probe_len = int(_pop_option(argv, "--probe-len", "8"))
     model_dir = _pop_option(argv, "--model-dir", "")
     train_layers = int(_pop_option(argv, "--train-layers", "0"))
+    threads = int(_pop_option(argv, "--threads", "0"))
     sys.argv = [sys.argv[0], *argv]
 
     import torch
@@ -72,6 +73,8 @@ def main() -> int:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     config = cli(TrainerConfig)
     if config.weight_broadcast.type != "filesystem":
         print(f"stand-in trainer: weight_broadcast.type={config.weight_broadcast.type!r}: only the filesystem "
