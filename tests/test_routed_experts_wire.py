@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,14 +127,15 @@ def test_where_the_cpu_cannot_serve_them(flags: dict[str, Any], reason: str, mon
     ({"enable_return_routed_experts": True}, True),  # the CPU capture is eager only: implied
     ({"enable_return_routed_experts": True, "enforce_eager": False}, False),  # given: refused at start (above)
 ])
-def test_engine_mode_on_cpu(flags: dict[str, Any], eager: bool) -> None:
+def test_engine_mode_on_cpu(flags: dict[str, Any], eager: bool, tmp_path: Path) -> None:
     """tito's CPU engine arguments leave vLLM's defaults (torch.compile, chunked prefill) but where a flag needs
-    eager; the start-up log's compile hint follows the same rule."""
+    eager; the start-up log's compile hint follows the same rule. (A local directory: the suite runs offline,
+    where vLLM cannot look a name up.)"""
     from app.engine.engine_setup import compiles, cpu_safe_defaults, engine_args, on_cpu
 
     if not on_cpu():
         pytest.skip("tito's CPU defaults")
-    settings = Settings(model="m", **flags)
+    settings = Settings(model=str(tmp_path), **flags)
     assert cpu_safe_defaults(settings)["enforce_eager"] is eager
     assert compiles(settings) is not eager
     if not flags.get("enable_return_routed_experts"):
