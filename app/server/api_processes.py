@@ -313,16 +313,22 @@ class ApiPeers:
         self.index = index
         self.slots = layout.shared
         self.slot = index
-        self.seen = 0
+        self.seen = 0  # the board this process's state last applied
+        self._doc: tuple[int, dict[str, Any]] = (0, {})
         self.control: UdsClient | None = None  # made in the process that uses it
         self.exit: Callable[[int], None] | None = None
 
     def refresh(self, state: AppState) -> None:
-        shared = self.layout.shared
-        if shared.seq != self.seen:
-            self.seen, doc = shared.read()
+        if self.layout.shared.seq != self.seen:
+            self.seen, doc = self.latest()
             apply_board(state, doc)
-            shared.set(self.slot, SEEN, self.seen)
+            self.layout.shared.set(self.slot, SEEN, self.seen)
+
+    def latest(self) -> tuple[int, dict[str, Any]]:
+        """The board as last published (read again only when it moved)."""
+        if self.layout.shared.seq != self._doc[0]:
+            self._doc = self.layout.shared.read()
+        return self._doc
 
     def changed(self, state: AppState) -> None:
         return
@@ -337,7 +343,7 @@ class ApiPeers:
         return []
 
     def board(self) -> dict[str, Any]:
-        return self.layout.shared.read()[1]
+        return self.latest()[1]
 
     async def launched(self) -> str | None:
         """Wait until the control process has started the engine cores; the coordinator's statistics address."""

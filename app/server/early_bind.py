@@ -76,7 +76,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def answer(path: str) -> bytes:
-    body = json.dumps(BODIES.get(path, ERROR)).encode()
+    body = json.dumps(BODIES.get(path, ERROR), separators=(",", ":")).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 5\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
 
@@ -110,16 +110,28 @@ class Early:
 
     def _reply(self, conn: socket.socket) -> None:
         conn.settimeout(READ_TIMEOUT_S)
-        head = b""
-        with contextlib.suppress(OSError):
-            while b"\r\n\r\n" not in head and len(head) < 65536:
+        data = b""
+        with contextlib.suppress(OSError, ValueError):
+            while b"\r\n\r\n" not in data and len(data) < 65536:
                 chunk = conn.recv(4096)
                 if not chunk:
                     break
-                head += chunk
-            parts = head.split(b"\r\n", 1)[0].split(b" ")
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            parts = lines[0].split(b" ")
             path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) > 1 else ""
+            # Read a small body to its end: closing with unread bytes would reset the connection, and the client
+            # could lose the answer.
+            length = next((int(v) for k, _, v in (ln.partition(b":") for ln in lines[1:])
+                           if k.strip().lower() == b"content-length"), 0)
+            while len(body) < min(length, 1 << 20):
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
             conn.sendall(answer(path))
+            conn.shutdown(socket.SHUT_WR)
 
     def stop(self) -> None:
         """The app takes the socket from here: no answer of this thread's after this returns."""

@@ -150,6 +150,7 @@ async def _read_answer(reader: asyncio.StreamReader, first: bytes,
     connection may carry another request."""
     headers: list[tuple[bytes, bytes]] = []
     events: list[tuple[str, bytes]] = []
+    keep = [False]
 
     class Sink:
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -162,6 +163,7 @@ async def _read_answer(reader: asyncio.StreamReader, first: bytes,
             events.append(("body", bytes(body)))
 
         def on_message_complete(self) -> None:
+            keep[0] = bool(parser.should_keep_alive())  # asked now: the parser resets for the next message after
             events.append(("done", b""))
 
     parser = httptools.HttpResponseParser(Sink())
@@ -179,7 +181,7 @@ async def _read_answer(reader: asyncio.StreamReader, first: bytes,
                 await on_body(chunk, True)
             else:
                 await on_body(b"", False)
-                return bool(parser.should_keep_alive())
+                return keep[0]
         events.clear()
         data = await reader.read(_READ)
         if not data:

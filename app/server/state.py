@@ -418,6 +418,17 @@ class AppState:
         return self.adapters.resolve(name).handle
 
 
+# Where each part of AppState lives with several API processes (tests/test_unit_api_processes.py holds every field to
+# one of them). Server-wide: the control process's, mirrored by every API process from the board
+# (app/server/mirror.py); so are the parts of the managers made in ``__post_init__`` that the API processes read (the
+# weights' version and consistency, the LoRA registry) and the engine adapter's pause record and prefix-cache salt.
+SERVER_WIDE = frozenset({"started_at", "draining", "shutting_down", "ready", "engine_failure", "drain_started_at",
+                         "sidecar", "leaving"})
+PER_PROCESS = frozenset({"settings", "engine", "api_process", "peers", "local", "finished", "_drain_mark",
+                         "engine_processes", "live", "by_client", "_seq", "_idle", "_openai", "_openai_lock",
+                         "_restore_error", "_slots", "_base"})
+
+
 async def get_state(request: Request) -> AppState:
     """FastAPI dependency: the AppState of the app serving this request. ``async`` on purpose: FastAPI runs a plain
     ``def`` dependency in a worker thread, a thread hop per request that cost ~17% of the hot path under load."""
