@@ -24,13 +24,13 @@ def test_bench_shape_makes_and_serves_that_shape(shape: str) -> None:
     lines = out.stdout.replace("\\\n", " ").splitlines()
     make_model = [x for x in lines if "make-tiny-model" in x]
     assert make_model and make_model[0].split()[-3:] == [f"models/{shape}", "--shape", shape], make_model
-    bench = [x.split() for x in lines if "scripts/bench.py" in x]
+    bench = [x.split() for x in lines if "-m benchmarks serving" in x]
     assert len(bench) == 1 and bench[0][bench[0].index("--model") + 1] == f"models/{shape}"
     assert {"--vllm-bench", "--defaults", "--update"} <= set(bench[0])
-    assert not [x for x in lines if "bench_weights.py" in x]  # the tiny model's weight benchmark is not run
+    assert not [x for x in lines if "benchmarks weights" in x]  # the tiny model's weight benchmark is not run
 
 
 def test_bench_unknown_shape_stops_make() -> None:
     out = _make_n("SHAPE=qwen3-70b")
     assert out.returncode != 0 and "SHAPE=qwen3-70b: one of qwen3-0.6b" in out.stderr
-    assert "scripts/bench.py" not in out.stdout
+    assert "benchmarks serving" not in out.stdout

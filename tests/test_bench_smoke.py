@@ -1,4 +1,5 @@
-"""scripts/bench.py runs end to end on a tiny workload (a smoke test: it checks the harness, not the numbers)."""
+"""The serving benchmark (``python -m benchmarks serving``) runs end to end on a tiny workload (a smoke test: it checks
+the harness, not the numbers), and the benchmarks' shared pieces (benchmarks/) do what they say."""
 
 from __future__ import annotations
 
@@ -15,19 +16,23 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, engine_env, script_module
+from benchmarks import clients as loadgen
+from benchmarks import probes, servers, serving_vllm
+from benchmarks import serving as bench
+from tests.helpers import ROOT, ServerProcess, engine_env
 
 
 @pytest.mark.engine
 def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: ServerProcess, tmp_path: Path) -> None:
     """The tito system is the session's shared default server (the tiny model at its own 512-token context, as
-    bench.py starts it): one engine start fewer than bench.py starting its own (the in-process systems start theirs)."""
+    the benchmark starts it): one engine start fewer than the benchmark starting its own (the in-process systems start
+    theirs)."""
     assert tito.proc is not None
     out_dir = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--quick", "--rounds", "1", "--systems", "matched,inprocess,tito",
-         "--workloads", "64x64,stream64x64,1x1,mixed", "--model", str(tiny_model), "--out", str(out_dir),
-         "--tito-url", tito.url, "--tito-pid", str(tito.proc.pid)],
+        [sys.executable, "-m", "benchmarks", "serving", "--quick", "--rounds", "1", "--systems",
+         "matched,inprocess,tito", "--workloads", "64x64,stream64x64,1x1,mixed", "--model", str(tiny_model),
+         "--out", str(out_dir), "--tito-url", tito.url, "--tito-pid", str(tito.proc.pid)],
         capture_output=True, text=True, cwd=ROOT, env=engine_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
@@ -52,7 +57,6 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: Ser
     assert doc["rounds"][0]["tito"]["stream64x64"]["tokens"] == 4 * 2 * 8
     assert summary["cold_errors"] == {"inprocess": 0, "tito": 0, "matched": 0}
     # The matched run burned, per workload, what tito's HTTP layer and client added over the in-process system.
-    bench = script_module("bench")
     r0 = doc["rounds"][0]
     for wl in ("64x64", "stream64x64", "1x1", "mixed"):
         want = bench.extra_cores(r0["tito"][wl], r0["inprocess"][wl])
@@ -65,19 +69,10 @@ def test_bench_quick_run_writes_table_json_and_chart(tiny_model: Path, tito: Ser
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _loadgen_module() -> Any:
-    """scripts/loadgen.py, the load generator bench.py imports (loading bench.py puts scripts/ on the path)."""
-    script_module("bench")
-    import loadgen
-
-    return loadgen
-
-
 def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
     """The lean load generator against a scripted HTTP server: a good answer, a 500, a short answer, a connection
     dropped before the answer, an answer that closes the connection, and a good one again. Every failure is counted
     (none is fatal, none hangs) and the client reconnects after a drop."""
-    loadgen = _loadgen_module()
     good = orjson.dumps({"choices": [{"token_ids": [7, 8]}]})
     short = orjson.dumps({"choices": [{"token_ids": [7]}]})
     script = [
@@ -125,7 +120,6 @@ def test_raw_load_generator_counts_every_failure_and_keeps_going() -> None:
 
 
 def test_stream_answers_are_checked_event_by_event() -> None:
-    loadgen = _loadgen_module()
     ok = b'data: {"choices":[{"token_ids":[1,2]}]}\n\ndata: {"choices":[{"token_ids":[3]}]}\n\ndata: [DONE]\n\n'
     assert loadgen._count_tokens(ok, True) == 3
     with pytest.raises(RuntimeError, match="without \\[DONE\\]"):
@@ -139,7 +133,6 @@ def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:
     the ``with`` block's start: the burner is past its interpreter's start-up by then)."""
     import psutil
 
-    bench = script_module("bench")
     with bench.Burner(0.5) as burner:
         assert len(burner.procs) == 1
         proc = psutil.Process(burner.procs[0].pid)
@@ -156,36 +149,51 @@ def test_burner_keeps_the_asked_share_of_a_core_busy() -> None:
 def test_token_route_cases_keep_vllm_bench_shape_and_vllm_serves_them_tokens_only() -> None:
     """vLLM's benchmark client has no backend for /inference/v1/generate: the token-route cases send the same shape
     (32-token prompts) from the load generator, and vLLM's server answers them as its dedicated token server."""
-    loadgen = _loadgen_module()
-    openai = script_module("bench_openai")
-    case = openai.CASES["t16"]
+    case = serving_vllm.CASES["t16"]
     wl = loadgen.Workload(case.name, case.concurrency, case.output_len, case.stream, 2, "tok/s", case.input_len)
     assert [len(loadgen.request_spec(wl, i)[0]) for i in range(2)] == [32, 32]
     assert len(loadgen.request_spec(loadgen.Workload("64x64", 64, 64, False, 1, "tok/s"), 0)[0]) == 16
-    vllm = openai.server_cmd("vllm", "m", 1, True, "--enforce-eager", tokens_only=True)
+    vllm = servers.server_cmd("vllm", "m", 1, True, "--enforce-eager", tokens_only=True)
     assert "--tokens-only" in vllm and vllm[-1] == "--enforce-eager"
-    assert "--tokens-only" not in openai.server_cmd("tito", "m", 1, True, "", tokens_only=True)
+    assert "--tokens-only" not in servers.server_cmd("tito", "m", 1, True, "", tokens_only=True)
     with pytest.raises(SystemExit, match="separate runs"):
-        openai.main(type("NS", (), {"cases": "c16,t16"})(), "m")
+        serving_vllm.main(type("NS", (), {"cases": "c16,t16"})(), "m")
 
 
-def test_bench_dynamo_counts_the_engine_processes_cpu() -> None:
+def test_probes_count_the_engine_processes_cpu() -> None:
     """The engine's CPU is that of every process below tito's: a grandchild counts too, a process gone counts 0."""
-    dyn = script_module("bench_dynamo")
     nap = "import time; time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, "
                               f"'-c', {nap!r}]); {nap}"])
     try:
         deadline = time.monotonic() + 20
-        while not dyn.descendants(child.pid) and time.monotonic() < deadline:
+        while not probes.descendants(child.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        grandchild = dyn.descendants(child.pid)
+        grandchild = probes.descendants(child.pid)
         assert len(grandchild) == 1
-        assert {child.pid, *grandchild} <= set(dyn.descendants(os.getpid()))
-        assert dyn.cpu_seconds([child.pid, *grandchild]) >= 0.0
-        assert dyn.cpu_seconds([2**22 + 1]) == 0.0
+        assert {child.pid, *grandchild} <= set(probes.descendants(os.getpid()))
+        assert probes.cpu_seconds([child.pid, *grandchild]) >= 0.0
+        assert probes.cpu_seconds([2**22 + 1]) == 0.0
     finally:
-        for pid in dyn.descendants(child.pid):
+        for pid in probes.descendants(child.pid):
             os.kill(pid, signal.SIGKILL)
         child.kill()
         child.wait(10)
+
+
+def test_one_entry_point_runs_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m benchmarks`` lists every benchmark; each one's module imports and its flags parse (the commands the
+    docs show are checked against these parsers in tests/test_docs.py); an unknown name is an error."""
+    from benchmarks.__main__ import COMMANDS, main, parser
+
+    assert main([]) == 2
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in COMMANDS) and len(COMMANDS) >= 10
+    for name in COMMANDS:
+        assert parser(name).prog == f"python -m benchmarks {name}"
+    assert parser("updates").parse_args(["--model", "m", "--kinds", "full"]).kinds == "full"
+    assert main(["no-such-benchmark"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ended:
+        main(["updates", "--no-such-flag"])
+    assert ended.value.code == 2

@@ -1,7 +1,8 @@
 """The docs say what the code does: fast tests (no engine), and two on the shared default server.
 
 - every ``tito`` command in a shell block of README or docs/ parses with tito's own argument parser, every
-  ``make`` target exists, every ``python scripts/...`` names a script that exists;
+  ``make`` target exists, every ``python scripts/...`` names a script that exists, every ``python -m benchmarks NAME
+  ...`` names a benchmark and parses with its flags;
 - every ``TITO_*`` variable they name exists (a flag's, or one the code reads);
 - every route in the HTTP API table is served, every /server_info key is on its page, every ``tito`` subcommand is
   in the client guide;
@@ -102,8 +103,25 @@ def test_tito_commands_parse(page: Path, capsys: pytest.CaptureFixture[str]) -> 
         elif prog == "make":
             targets = [a for a in argv[1:] if not a.startswith("-") and "=" not in a]
             assert set(targets) <= make_targets, f"{_name(page)}: {shlex.join(argv)!r}: no such make target"
-        elif prog.startswith("python") and len(argv) > 1 and argv[1].startswith("scripts/"):
-            assert (ROOT / argv[1]).is_file(), f"{_name(page)}: {argv[1]} does not exist"
+        elif py := next((i for i, a in enumerate(argv) if Path(a).name.startswith("python")), None):
+            # after a wrapper too (flock LOCK python ..., timeout N python ...)
+            args = argv[py + 1:]
+            if args[:1] and args[0].startswith("scripts/"):
+                assert (ROOT / args[0]).is_file(), f"{_name(page)}: {args[0]} does not exist"
+            elif args[:2] == ["-m", "benchmarks"]:
+                _check_benchmark(page, args[2:], capsys)
+
+
+def _check_benchmark(page: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.__main__ import COMMANDS, parser
+
+    assert args and args[0] in COMMANDS, f"{_name(page)}: python -m benchmarks {shlex.join(args)}: no such benchmark"
+    # Placeholders a page writes for the reader to fill in parse as any value would.
+    try:
+        parser(args[0]).parse_args([a for a in args[1:] if a != "..."])
+    except SystemExit:
+        pytest.fail(f"{_name(page)}: python -m benchmarks {shlex.join(args)!r} does not parse: "
+                    f"{capsys.readouterr().err}")
 
 
 def test_every_tito_command_is_documented():

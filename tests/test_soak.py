@@ -1,9 +1,9 @@
-"""A short soak (scripts/soak.py): weight updates under concurrent streams, every answer audited.
+"""A short soak (benchmarks/soak.py): weight updates under concurrent streams, every answer audited.
 
 4 ``pause?mode=keep`` → ``update_weights`` → ``resume`` cycles, alternating two checkpoints (each update its own
 version), while 32 clients stream. Every answer must come back whole (all ``max_tokens``, finish ``length``) with
 ``weight_versions`` spans covering it contiguously from token 0, in update order; every update must succeed. Requests
-carry no ``seed`` (see scripts/soak.py). Runs on the shared server and leaves it on its own weights.
+carry no ``seed`` (see benchmarks/soak.py). Runs on the shared server and leaves it on its own weights.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import httpx
 import pytest
 
 from app.tiny.model import make_tiny_model
-from tests.helpers import ServerProcess, script_module
+from benchmarks import soak
+from tests.helpers import ServerProcess
 
 
 @pytest.mark.engine
 def test_short_soak_loses_nothing(tito: ServerProcess, tiny_model: Path, tmp_path: Path) -> None:
-    soak = script_module("soak")
     other = make_tiny_model(tmp_path / "ckpt-b", seed=1)
     try:
         rep = asyncio.run(soak.soak(tito.url, [str(tiny_model), str(other)], updates=4, streams=32, batch=16,
@@ -36,7 +36,6 @@ def test_short_soak_loses_nothing(tito: ServerProcess, tiny_model: Path, tmp_pat
 
 
 def test_spans_audit_catches_bad_spans() -> None:
-    soak = script_module("soak")
     order = ["default", "soak-1", "soak-2"]
     good = [{"version": "default", "start": 0, "end": 3}, {"version": "soak-2", "start": 3, "end": 5}]
     assert soak.spans_problem(good, 5, order) is None

@@ -27,7 +27,7 @@ def lower_priority(idle: bool = False) -> None:
     Staged weight work (uploads, checks, the workers' copy of the weights) is background work: on a busy machine it
     takes longer, the engine does not slow down for it. ``idle``: run only on a CPU generation leaves idle
     (SCHED_IDLE; a waking engine thread preempts it at once), for the workers' threads that share the engine's
-    process; measured on 2 cores (scripts/bench_delta.py), nice 10 there cost generation ~20% while a delta was
+    process; measured on 2 cores (benchmarks/delta.py), nice 10 there cost generation ~20% while a delta was
     made ready, nice 19 ~12%, SCHED_IDLE ~5%."""
     tid = threading.get_native_id()
     try:

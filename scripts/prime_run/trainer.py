@@ -10,12 +10,13 @@ This process takes its place with Prime-RL's own parts wherever the orchestrator
   step after its optimizer step, on an FSDP2-sharded model as Prime-RL shards it.
 
 What it does not do as Prime-RL does: the loss. Each step is one real AdamW step on CPU of a plain importance-weighted
-policy gradient (``-advantage * ratio`` over the loss mask, each packed sample forwarded on its own), with no
+policy gradient (``-advantage * ratio`` over the loss mask, the packed samples forwarded as one padded batch), with no
 clipping, KL or entropy terms; the checkpointing, metrics server and W&B logging are left out.
 
-The trainer keeps float32 weights and computes on them as written (Prime-RL's writer saves them in bf16; they are
-rounded to those values after each broadcast). It also records, per step, what tito must reproduce
-(``<output_dir>/tito-trainer/step_<k>.json``): the largest gap
+The trainer keeps float32 weights, rounded to what Prime-RL's writer saves (bf16) after each broadcast, and computes
+in the checkpoint's dtype: bf16 (autocast) at a real shape, as tito serves it, which makes a step at Qwen3-0.6B's
+shape fast enough for Prime-RL's one-step lag on a CPU; float32 on the tiny float32 model. It also records, per step,
+what tito must reproduce (``<output_dir>/tito-trainer/step_<k>.json``): the largest gap
 between the logprobs tito returned with the batch and the trainer's own logprobs of the same tokens under the
 weights the rollout was sampled from (when those are the trainer's current weights), and the trainer's greedy tokens
 for a probe prompt under the weights it just wrote, so a run can check that tito serves exactly that step.
@@ -63,7 +64,7 @@ def main() -> int:
     from prime_rl.utils.config import cli
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = cli(TrainerConfig)
     if config.weight_broadcast.type != "filesystem":
@@ -81,22 +82,27 @@ def main() -> int:
     model_dir = model_dir or config.model.name  # the served name need not be a directory here
     # float32 weights, as Prime-RL's trainer keeps its (sharded) master weights; its writer saves them in bf16. A bf16
     # model here would hand that writer a tied head that shares the embedding's memory, which safetensors refuses.
+    # The forward and backward run in the checkpoint's dtype, as tito serves it (dtype auto): bf16 autocast for a
+    # bf16 checkpoint (a real shape; the CPU's bf16 matmuls), float32 for a float32 one (the tiny model, where the
+    # suite checks the trainer's logprobs against tito's to 1e-4).
     dtype = torch.float32
+    compute = AutoConfig.from_pretrained(model_dir).dtype or torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.train()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=0.0, fused=True)
     broadcast = FileSystemWeightBroadcast(out, config.weight_broadcast)
-    _log(f"model {model_dir} ({dtype}), lr {config.optim.lr}, max_steps {config.max_steps}, "
-         f"rollouts over {config.rollout_transport.type}")
+    _log(f"model {model_dir} ({dtype} weights, {compute} compute), lr {config.optim.lr}, max_steps "
+         f"{config.max_steps}, rollouts over {config.rollout_transport.type}")
 
     def publish(step: int, **stats: Any) -> None:
         """Write ``step`` with Prime-RL's writer, keep computing on the values written, record it with the probe."""
         t = time.perf_counter()
         broadcast.broadcast_weights(model, step=step)
         _as_written(model)
+        greedy = _greedy(model, probe, probe_len, compute)
         _record(records / f"step_{step}.json", {"step": step, "write_s": time.perf_counter() - t, **stats,
-                                                "probe": probe, "probe_greedy": _greedy(model, probe, probe_len)})
+                                                "probe": probe, "probe_greedy": greedy})
 
     publish(0)  # the startup policy, as Prime-RL's trainer broadcasts v0
     _log("wrote step 0")
@@ -109,7 +115,7 @@ def main() -> int:
         micro_batches = loader.get_batch()
         waited = time.perf_counter() - t0
         t1 = time.perf_counter()
-        stats = _train_step(model, optimizer, micro_batches)
+        stats = _train_step(model, optimizer, micro_batches, compute)
         publish(step, wait_s=waited, train_s=time.perf_counter() - t1, **stats)
         _log(f"step {step}: {stats['samples']} samples, {stats['loss_tokens']} loss tokens, loss {stats['loss']:.4f}, "
              f"logprob gap to tito {stats['max_logprob_gap']:.2e}; wrote step {step}")
@@ -118,36 +124,45 @@ def main() -> int:
     return 0
 
 
-def _train_step(model: Any, optimizer: Any, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
-    """One optimizer step over every micro batch: each packed sample forwarded on its own (the model's attention
-    would otherwise cross samples), loss -advantage * exp(logp - logp.detach()) over the loss mask, tokens averaged.
+FIELDS = ("input_ids", "loss_mask", "temperatures", "advantages", "inference_logprobs")
+PAD = {"input_ids": 0, "loss_mask": False, "temperatures": 1.0, "advantages": 0.0, "inference_logprobs": 0.0}
+
+
+def _train_step(model: Any, optimizer: Any, micro_batches: list[dict[str, Any]], compute: Any) -> dict[str, Any]:
+    """One optimizer step over every micro batch: the packed samples unpacked and forwarded together as one padded
+    batch (right-padded with an attention mask, so no sample attends to another's tokens, as Prime-RL's varlen
+    attention keeps them apart), loss -advantage * exp(logp - logp.detach()) over the loss mask, tokens averaged,
+    computed in ``compute`` (the checkpoint's dtype: bf16 autocast on a bf16 model, float32 as written otherwise).
     The gap to tito: |trainer logprob - inference logprob| before the step, over the loss mask."""
     import torch
 
-    optimizer.zero_grad(set_to_none=True)
-    total_tokens = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
-    loss_sum = 0.0
-    gap = 0.0
-    samples = 0
+    samples = []
     for mb in micro_batches:
         start = 0
         for length in mb["sequence_lengths"]:
-            sl = slice(start, start + length)
+            samples.append({k: mb[k][0, start:start + length] for k in FIELDS})
             start += length
-            samples += 1
-            ids = mb["input_ids"][:, sl]
-            mask = mb["loss_mask"][:, sl][:, 1:]
-            if not mask.any():
-                continue
-            logits = model(input_ids=ids).logits[:, :-1].float() / mb["temperatures"][:, sl][:, 1:, None]
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            gap = max(gap, float((logp.detach() - mb["inference_logprobs"][:, sl][:, 1:])[mask].abs().max()))
-            ratio = torch.exp(logp - logp.detach())
-            loss = -(mb["advantages"][:, sl][:, 1:] * ratio)[mask].sum() / max(total_tokens, 1)
-            loss.backward()
-            loss_sum += float(loss.detach())
+    total_tokens = sum(int(s["loss_mask"].sum()) for s in samples)
+    trained = [s for s in samples if s["loss_mask"][1:].any()]
+    optimizer.zero_grad(set_to_none=True)
+    loss_value = gap = 0.0
+    if trained:
+        width = max(len(s["input_ids"]) for s in trained)
+        batch = {k: torch.stack([torch.nn.functional.pad(s[k], (0, width - len(s[k])), value=PAD[k])
+                                 for s in trained]) for k in FIELDS}
+        attention = torch.stack([torch.arange(width) < len(s["input_ids"]) for s in trained]).long()
+        ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:].bool()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logits = logits.float() / batch["temperatures"][:, 1:, None]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        gap = float((logp.detach() - batch["inference_logprobs"][:, 1:])[mask].abs().max())
+        ratio = torch.exp(logp - logp.detach())
+        loss = -(batch["advantages"][:, 1:] * ratio)[mask].sum() / max(total_tokens, 1)
+        loss.backward()
+        loss_value = float(loss.detach())
     optimizer.step()
-    return {"samples": samples, "loss_tokens": total_tokens, "loss": loss_sum, "max_logprob_gap": gap}
+    return {"samples": len(samples), "loss_tokens": total_tokens, "loss": loss_value, "max_logprob_gap": gap}
 
 
 def _as_written(model: Any) -> None:
@@ -161,12 +176,12 @@ def _as_written(model: Any) -> None:
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
-def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+def _greedy(model: Any, prompt: list[int], n: int, compute: Any) -> list[int]:
     """The trainer's greedy continuation of ``prompt`` under its current weights (no KV cache: a few tokens)."""
     import torch
 
     ids = list(prompt)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == torch.bfloat16):
         for _ in range(n):
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
             ids.append(int(logits.argmax()))

@@ -1,4 +1,4 @@
-"""The benchmark's report (scripts/bench.py): medians over rounds, the table on stdout and the chart."""
+"""The serving benchmark's report (benchmarks/serving.py): medians over rounds, the table on stdout and the chart."""
 
 from __future__ import annotations
 
@@ -7,18 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadgen import Workload
+from benchmarks.clients import Workload
+from benchmarks.report import fmt, spread_of
 
 
 def median_of(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> float | None:
     vals = [r[system][wl][key] for r in rounds
             if system in r and wl in r[system] and r[system][wl].get(key) is not None]
     return statistics.median(vals) if vals else None
-
-
-def spread_of(vals: list[float]) -> list[float] | None:
-    """[min, median, max] of one figure over rounds: how far the machine's noise moves it."""
-    return [min(vals), statistics.median(vals), max(vals)] if vals else None
 
 
 def per_round(rounds: list[dict[str, Any]], system: str, wl: str, key: str) -> list[float]:
@@ -104,12 +100,6 @@ def added_cpu(summary: dict[str, Any], rounds: list[dict[str, Any]], systems: li
             row[f"{s}_ratio_rounds"] = per_round
         out[wl.name] = row
     return out
-
-
-def fmt(v: Any, nd: int = 0) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
 
 
 def print_table(summary: dict[str, Any], systems: list[str], workloads: list[Workload], rounds: int) -> None:

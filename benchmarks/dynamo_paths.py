@@ -1,9 +1,9 @@
 """Direct vs the Dynamo sidecar path: the same token requests sent to one tito replica's HTTP API, and through Dynamo's
 frontend → Dynamo's vLLM sidecar → tito's ``vllm.Inference`` (gRPC) on the same replica.
 
-    python scripts/bench_dynamo.py --model models/tiny-qwen3 [--requests 200] [--clients 1,8] [--max-tokens 16]
+    python -m benchmarks dynamo --model models/tiny-qwen3 [--requests 200] [--clients 1,8] [--max-tokens 16]
         [--rounds 2] [--vllm-bench] [--tito-args="--stream-interval 4"] [--paths direct,sidecar] [--warmup 3]
-    python scripts/bench_dynamo.py --model models/qwen3-0.6b --dtype bfloat16 --max-model-len 4096 \
+    python -m benchmarks dynamo --model models/qwen3-0.6b --dtype bfloat16 --max-model-len 4096 \
         --tito-args=--enforce-eager --clients 16 --max-tokens 64 --requests 64 --warmup 1   # a real shape
 
 Starts one tito (``--grpc-port``), Dynamo's vLLM sidecar by hand (``python -m dynamo.vllm.sidecar``) and Dynamo's
@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,85 +45,16 @@ from typing import Any
 import httpx
 
 from app.dynamo.sidecar import free_system_port
+from benchmarks.clients import vllm_bench as vllm_client
+from benchmarks.probes import Spy, cpu_seconds, descendants, thread_cpu
+from benchmarks.report import spread
+from benchmarks.servers import ROOT, port_in, start
 
-ROOT = Path(__file__).resolve().parent.parent
 GEN = "/inference/v1/generate"
 PATHS = ("direct", "sidecar", "completions", "direct-completions")
 # The direct route each path's ratios are taken against, in the same round.
 BASE_OF = {"direct": "direct", "sidecar": "direct", "completions": "direct-completions",
            "direct-completions": "direct-completions"}
-
-
-def free_port() -> int:
-    """A free loopback port (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of some processes (all their threads), from /proc; a process that is gone counts 0."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (tito's EngineCore and its helpers), from /proc."""
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
-class Proc:
-    def __init__(self, cmd: list[str], url: str, health: str, env: dict[str, str], log: Path) -> None:
-        self.url, self.health = url, health
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        # Same session as this script (a new one is a new CFS autogroup: see docs/benchmarks/index.md).
-        self.p = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                  process_group=0)
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{self.p.args!r} exited with {self.p.returncode}")
-            try:
-                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.url} not healthy after {timeout}s")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(40)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
 
 
 async def drive(url: str, path: str, body: dict[str, Any], clients: int, requests: int,
@@ -151,42 +80,22 @@ async def drive(url: str, path: str, body: dict[str, Any], clients: int, request
     return {"lat": lat, "wall": wall, "errors": errors}
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's threads, summed by thread name (``tokio-runtime-w``, ``MainThread``...): py-spy
-    samples only threads that run Python, and the frontend's and the sidecar's work is mostly on Rust threads."""
-    out: dict[str, float] = {}
-    for t in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (t / "comm").read_text().strip()
-            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
 class Profile:
-    """py-spy on some processes while a ``with`` block runs; each writes ``<prefix>-<name>.txt`` (collapsed stacks)
-    when it is stopped (SIGINT) at the block's end, and ``<prefix>-threads.json``: each process's CPU seconds over
-    the block by thread name."""
+    """py-spy (``--native``) on some processes while a ``with`` block runs, each into ``<prefix>-<name>.txt``
+    (collapsed stacks), and ``<prefix>-threads.json``: each process's CPU seconds over the block by thread name. The
+    engine's processes (names ``engine*``) are timed, not sampled: no pauses in its steps."""
 
     def __init__(self, out: Path | None, prefix: str, pids: dict[str, int]) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
         self.out, self.prefix, self.pids = out, prefix, pids
         self.before: dict[str, dict[str, float]] = {}
-        if out is None:
-            return
-        self.before = {k: thread_cpu(p) for k, p in pids.items()}
-        spy = os.environ.get("PY_SPY", "py-spy")
-        for name, pid in pids.items():
-            if name.startswith("engine"):  # the engine's threads are timed, not sampled: no pauses in its steps
-                continue
-            self.procs.append(subprocess.Popen(
-                [spy, "record", "--native", "--rate", "50", "--format", "raw", "--pid", str(pid),
-                 "--output",
-                 str(out / f"{prefix}-{name}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.spies = contextlib.ExitStack()
 
     def __enter__(self) -> Profile:
+        if self.out is not None:
+            self.before = {k: thread_cpu(p) for k, p in self.pids.items()}
+            for name, pid in self.pids.items():
+                if not name.startswith("engine"):
+                    self.spies.enter_context(Spy(pid, self.out / f"{self.prefix}-{name}.txt", rate=50, native=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -195,13 +104,7 @@ class Profile:
             delta = {k: {t: round(v - self.before[k].get(t, 0.0), 2) for t, v in after[k].items()
                          if v - self.before[k].get(t, 0.0) > 0} for k in after}
             (self.out / f"{self.prefix}-threads.json").write_text(json.dumps(delta, indent=1))
-        for p in self.procs:
-            p.send_signal(signal.SIGINT)
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.spies.close()
 
 
 def measure(url: str, path: str, body: dict[str, Any], clients: int, requests: int, warmup: int,
@@ -226,40 +129,20 @@ def summary(runs: list[dict[str, Any]], base: list[dict[str, Any]], tokens: int)
             "cpu_ratio": spread([r["cpu_ms"]["tito"] / b["cpu_ms"]["tito"] for r, b in zip(runs, base, strict=True)])}
 
 
-def spread(xs: list[float]) -> str:
-    """min / median / max, as the tables print them."""
-    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
-
-
-# vLLM's own benchmark client, in a child process (its results as one JSON line).
-VLLM_BENCH = ("import json, sys\n"
-              "from vllm.benchmarks.serve import add_cli_args, main\n"
-              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-              "p = FlexibleArgumentParser()\nadd_cli_args(p)\nr = main(p.parse_args(sys.argv[1:]))\n"
-              "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'output_throughput', "
-              "'median_ttft_ms', 'median_tpot_ms')}))\n")
-
-
 def vllm_bench(url: str, model: str, clients: int, requests: int, max_tokens: int, pids: dict[str, list[int]],
                env: dict[str, str]) -> dict[str, Any]:
+    """vLLM's own benchmark client (random 32-token text prompts, streamed ``/v1/completions``) on ``url``, with each
+    process's CPU per request (the warm-up requests count too)."""
     before = {k: cpu_seconds(p) for k, p in pids.items()}
-    cmd = [sys.executable, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--endpoint",
-           "/v1/completions", "--model", "tiny", "--tokenizer", model, "--dataset-name", "random",
-           "--random-input-len", "32", "--random-output-len", str(max_tokens), "--num-prompts", str(requests),
-           "--max-concurrency", str(clients), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-           "--num-warmups", str(clients)]
-    out = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1800)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vllm bench serve failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    res = json.loads(line[7:])
+    res = vllm_client(url, model, "tiny", clients, requests, 32, max_tokens, env)
     n = requests + clients
     res["cpu_ms"] = {k: 1000 * (cpu_seconds(p) - before[k]) / n for k, p in pids.items()}
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks dynamo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-qwen3"))
     ap.add_argument("--requests", type=int, default=200, help="requests per path, client count and round")
     ap.add_argument("--clients", default="1,8")
@@ -275,7 +158,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up requests per client before each measured run")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy the frontend, sidecar and tito through each "
                     "path of the first round into this folder (py-spy from $PY_SPY or PATH)")
-    ns = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    ns = ap.parse_args(argv)
     wanted = [x for x in ns.paths.split(",") if x]
     if set(wanted) - set(PATHS):
         ap.error(f"unknown path(s): {', '.join(sorted(set(wanted) - set(PATHS)))}")
@@ -293,33 +181,30 @@ def main() -> int:
            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
            "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_LOG": "warn", "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    procs: list[Proc] = []
+    procs: list[Any] = []  # ServerProcess, each in this session and a process group of its own
     try:
-        port, grpc_port, fport = free_port(), free_port(), free_port()
-        tito = Proc([sys.executable, "-m", "tito", "serve", "--model", ns.model, "--served-model-name", "tiny",
-                     "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", ns.dtype,
-                     *(["--max-model-len", str(ns.max_model_len)] if ns.max_model_len else []),
-                     *shlex.split(ns.tito_args)],
-                    f"http://127.0.0.1:{port}", "/ready", env, tmp / "tito.log")
+        port, grpc_port, fport = port_in(), port_in(), port_in()
+        tito = start([sys.executable, "-m", "tito", "serve", "--model", ns.model, "--served-model-name", "tiny",
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", ns.dtype,
+                      *(["--max-model-len", str(ns.max_model_len)] if ns.max_model_len else []),
+                      *shlex.split(ns.tito_args)], port, tmp / "tito.log", env, 900, "/ready")
         procs.append(tito)
-        tito.wait(900)
         sport = free_system_port()
-        side = Proc([sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", f"127.0.0.1:{grpc_port}",
-                     "--enable-rl", "--vllm-http-endpoint", tito.url], f"http://127.0.0.1:{sport}", "/health",
-                    {**env, "DYN_SYSTEM_PORT": str(sport)}, tmp / "sidecar.log")
-        fe = Proc([sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(fport),
-                   "--router-mode", "round-robin"], f"http://127.0.0.1:{fport}", "/live",
-                  {**env, "DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "true"}, tmp / "frontend.log")
-        procs += [side, fe]
-        side.wait(300)
-        fe.wait(300)
+        side = start([sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", f"127.0.0.1:{grpc_port}",
+                      "--enable-rl", "--vllm-http-endpoint", tito.url], sport, tmp / "sidecar.log",
+                     {**env, "DYN_SYSTEM_PORT": str(sport)}, 300)
+        procs.append(side)
+        fe = start([sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(fport),
+                    "--router-mode", "round-robin"], fport, tmp / "frontend.log",
+                   {**env, "DYN_VLLM_ENABLE_INFERENCE_V1_GENERATE": "true"}, 300, "/live")
+        procs.append(fe)
         deadline = time.monotonic() + 120
         while "tiny" not in {m["id"] for m in httpx.get(fe.url + "/v1/models").json().get("data", [])}:
             if time.monotonic() > deadline:
                 raise RuntimeError("the model never showed up at the frontend")
             time.sleep(0.5)
-        pids = {"frontend": [fe.p.pid], "sidecar": [side.p.pid], "tito": [tito.p.pid],
-                "engine": descendants(tito.p.pid)}
+        pids = {"frontend": [fe.proc.pid], "sidecar": [side.proc.pid], "tito": [tito.proc.pid],
+                "engine": descendants(tito.proc.pid)}
         ids = list(range(5, 5 + 32))
         sp = {"max_tokens": ns.max_tokens, "temperature": 0.0, "ignore_eos": True}
         every = {"direct": (tito.url, GEN, {"token_ids": ids, "sampling_params": sp}),
@@ -350,7 +235,7 @@ def main() -> int:
                 vrows.append((clients, vruns))
     finally:
         for p in reversed(procs):
-            p.stop()
+            p.stop(40)
     print(f"\n{ns.model}, {ns.max_tokens} new tokens per request, 32-token prompt, {ns.requests} requests per path "
           f"and round (+ {ns.warmup} warm-up per client), {ns.rounds} alternating rounds, {os.cpu_count()} cores, "
           f"tito's flags: --dtype {ns.dtype} --max-model-len {ns.max_model_len or 'default'} {ns.tito_args}")

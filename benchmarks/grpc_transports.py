@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """gRPC vs HTTP on the same tito: throughput and CPU per request for the same workloads, in the same run.
 
-One tito is started with ``--grpc-port``; every workload of ``scripts/bench.py`` (same prompts, same sampling) is
+One tito is started with ``--grpc-port``; every workload of the serving benchmark (same prompts, same sampling) is
 driven through each transport, the order rotating from round to round:
 
-    http              ``/inference/v1/generate`` (bench.py's lean HTTP load generator)
+    http              ``/inference/v1/generate`` (the lean HTTP load generator, benchmarks/clients.py)
     grpc              smg's ``VllmEngine/Generate`` (a ``grpc.aio`` client built from ``smg-grpc-proto``)
     inference         ``vllm.Inference``: ``Generate`` (unary) for a non-streamed workload, ``GenerateStream`` for a
                       streamed one
@@ -13,8 +12,9 @@ driven through each transport, the order rotating from round to round:
 The ``vllm.Inference`` client asks as Dynamo's sidecar does (tito's protos, app/grpc/proto): the served model name
 from ``vllm.Control/GetModelInfo``, a request id, text and token ids back, over 8 channels shared by the clients
 (the sidecar's default ``--grpc-connections``). Each load generator is a separate process in this session, as in
-bench.py. Each round also runs ``inprocess`` (bench.py's floor: vLLM's AsyncLLM in one process, same workloads) while
-tito idles, so what each transport adds above the engine client is measured as bench.py measures the HTTP route.
+the serving benchmark. Each round also runs ``inprocess`` (its floor: vLLM's AsyncLLM in one process, same
+workloads) while tito idles, so what each transport adds above the engine client is measured as the serving
+benchmark measures the HTTP route.
 
 ``--bare`` adds ``bare`` and ``bare-stream``: the same ``vllm.Inference`` calls against a ``grpc.aio`` server in a
 process of its own that answers without an engine (the tokens asked for, a message each, no checks, no text): the CPU
@@ -26,9 +26,9 @@ CPU per request, and for each gRPC transport (its CPU - inprocess) / (HTTP's - i
 per-round ratios and their range. Throughput from a machine shared with other work means little; CPU per request
 moves least with contention.
 
-    python scripts/bench_grpc.py                       # 3 rounds, all workloads and transports
-    python scripts/bench_grpc.py --workloads stream64x64,64x64,1x1 --transports http,inference,inference-stream
-    python scripts/bench_grpc.py --quick --rounds 1    # smoke
+    python -m benchmarks grpc                       # 3 rounds, all workloads and transports
+    python -m benchmarks grpc --workloads stream64x64,64x64,1x1 --transports http,inference,inference-stream
+    python -m benchmarks grpc --quick --rounds 1    # smoke
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -46,14 +47,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import bench  # noqa: E402 - scripts/bench.py: its workloads and worker mode
-import loadgen  # noqa: E402 - the closed loop, the HTTP load generator, CPU accounting
-from bench_report import fmt  # noqa: E402
+from benchmarks import clients as loadgen
+from benchmarks import serving as bench
+from benchmarks.probes import process_cpu_s
+from benchmarks.report import fmt
+from benchmarks.servers import (
+    MAX_MODEL_LEN,
+    ROOT,
+    default_model,
+    from_checkout,
+    kill_group,
+    module_cmd,
+    run_json,
+    start,
+)
 
 TRANSPORTS = ("http", "grpc", "inference", "inference-stream")
 SIDECAR_CONNECTIONS = 8  # Dynamo's sidecar: --grpc-connections, default 8
@@ -191,12 +198,10 @@ async def bare_server(port: int) -> None:
 
 def run_bare(workloads: list[loadgen.Workload], logs: Path) -> dict[str, Any]:
     """The ``bare`` transports: the bare server in its own process (this session), driven as tito's is."""
-    import subprocess
-
     from tests.helpers import engine_env, free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_bare_server", str(port)],
+    proc = subprocess.Popen(module_cmd("benchmarks.grpc_transports", "--_bare_server", str(port)),
                             stdout=subprocess.PIPE, env=engine_env(), cwd=str(ROOT), process_group=0)
     try:
         assert proc.stdout is not None
@@ -209,35 +214,33 @@ def run_bare(workloads: list[loadgen.Workload], logs: Path) -> dict[str, Any]:
                 out[t][wl.name] = _load(inner, server, f"127.0.0.1:{port}", wl, logs)
         return out
     finally:
-        bench._kill_group(proc)
+        kill_group(proc)
 
 
 def _load(transport: str, server: Any, grpc_target: str, wl: loadgen.Workload, logs: Path) -> dict[str, Any]:
     from tests.helpers import engine_env
 
     if transport == "http":
-        cmd = bench._self_cmd("--_load", server.url, json.dumps(asdict(wl)))  # bench.py's own worker mode
+        cmd = loadgen.load_cmd(server.url, wl)
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_grpc_load", grpc_target, json.dumps(asdict(wl)),
-               "--transport", transport]
-    c0 = loadgen.process_cpu_s(server.proc.pid)
-    res, _ = bench._worker_json(cmd, loadgen.LOAD_TIMEOUT_S + 60, logs / "load.log", engine_env())
-    return loadgen.with_cpu(res, loadgen.process_cpu_s(server.proc.pid) - c0)
+        cmd = module_cmd("benchmarks.grpc_transports", "--_grpc_load", grpc_target, json.dumps(asdict(wl)),
+                         "--transport", transport)
+    c0 = process_cpu_s(server.proc.pid)
+    res, _ = run_json(cmd, loadgen.LOAD_TIMEOUT_S + 60, logs / "load.log", engine_env())
+    return loadgen.with_cpu(res, process_cpu_s(server.proc.pid) - c0)
 
 
 def _start(model: str, logs: Path, start_timeout: float, base: str | None,
            tito_args: tuple[str, ...] = ()) -> tuple[Any, str]:
     """A tito with ``--grpc-port`` and ``tito_args`` (``base``: imported from that checkout, as bench.py's base
     system); the server and its gRPC target."""
-    from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+    from tests.helpers import engine_env, free_port, tito_cmd
 
     port, gport = free_port(), free_port()
-    cmd = tito_cmd(model, port, "--max-model-len", str(bench.MAX_MODEL_LEN), "--grpc-port", str(gport), *tito_args)
+    cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), "--grpc-port", str(gport), *tito_args)
     if base is not None:
-        cmd = bench.from_checkout(cmd, base)
-    server = ServerProcess(cmd, port, logs / f"tito-grpc-{port}.log", env=engine_env())
-    server.start(timeout=start_timeout)
-    return server, f"127.0.0.1:{gport}"
+        cmd = from_checkout(cmd, base)
+    return start(cmd, port, logs / f"tito-grpc-{port}.log", engine_env(), start_timeout), f"127.0.0.1:{gport}"
 
 
 def run(model: str, workloads: list[loadgen.Workload], rounds: int, logs: Path, start_timeout: float,
@@ -329,8 +332,9 @@ def table(rounds: list[dict[str, Any]], workloads: list[loadgen.Workload],
     return "\n".join(rows), summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks grpc", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Model directory (default: models/tiny-qwen3, written if missing).")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(bench.WORKLOADS),
@@ -352,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_grpc_load", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--_bare_server", type=int, help=argparse.SUPPRESS)
     p.add_argument("--transport", default="grpc", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     ns = p.parse_args(argv)
     if ns._bare_server:  # worker: the bare server, on uvloop as tito's
         import uvloop
@@ -359,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
         asyncio.run(bare_server(ns._bare_server))
         return 0
-    if ns._grpc_load:  # worker: gRPC load generator in its own process, on uvloop like bench.py's
+    if ns._grpc_load:  # worker: gRPC load generator in its own process, on uvloop like the HTTP one
         import uvloop
 
         uvloop.install()
@@ -379,15 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown workload or transport: {', '.join(unknown)}")
     transports = tuple(t for t in TRANSPORTS if t == "http" or t in ns.transports.split(","))
     workloads = [bench.WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
-    model = ns.model
-    if model is None:
-        from app.tiny.model import make_tiny_model
-
-        model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
+    model = default_model(ns.model)
     out = Path(ns.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rounds = run(str(Path(model).resolve()), workloads, ns.rounds, logs, ns.start_timeout, transports,
+    rounds = run(model, workloads, ns.rounds, logs, ns.start_timeout, transports,
                  not ns.no_inprocess, ns.bare, ns.base, tuple(shlex.split(ns.tito_args)))
     text, summary = table(rounds, workloads, transports)
     print(text)

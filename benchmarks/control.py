@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Control-plane latency, tito beside vLLM's own server: p50/p99 of ``POST /pause?mode=keep`` + ``POST /resume``,
 ``POST /pause?mode=abort`` + ``POST /resume``, ``GET /is_paused`` and ``GET /health``, on an idle server and while
 ``--streams`` streamed generate requests run (closed loop), with the engine's step time under the same load beside
@@ -6,14 +5,14 @@ them: a keep pause cannot land before the step in progress ends, so one step is 
 
 Each system is started fresh on the same model and engine settings, one at a time (they never share the CPU):
 tito (``python -m tito serve``) and vLLM's ``--tokens-only`` server with ``VLLM_SERVER_DEV_MODE=1`` (its ``/pause``,
-``/resume``, ``/is_paused``). The load comes from scripts/bench.py's lean load generator in its own process (as in
-the main benchmark); the probes run here, one at a time with a short gap, so each measures the server, not a queue
-of probes; pause(abort), which ends every stream in flight, after the others and on its own (``phase``). The step
-time is read the way a client sees it: the gaps between the tokens of one more stream (one token per engine step),
-sent by this process beside the probes.
+``/resume``, ``/is_paused``). The load comes from the lean load generator (benchmarks/clients.py) in its own
+process (as in the serving benchmark); the probes run here, one at a time with a short gap, so each measures the
+server, not a queue of probes; pause(abort), which ends every stream in flight, after the others and on its own
+(``phase``). The step time is read the way a client sees it: the gaps between the tokens of one more stream (one
+token per engine step), sent by this process beside the probes.
 
-    python scripts/bench_control.py                       # tito and vllm, 256 streams, 30 s of probes per phase
-    python scripts/bench_control.py --systems tito --streams 64 --seconds 10
+    python -m benchmarks control                       # tito and vllm, 256 streams, 30 s of probes per phase
+    python -m benchmarks control --systems tito --streams 64 --seconds 10
 """
 
 from __future__ import annotations
@@ -23,30 +22,17 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from bench import MAX_MODEL_LEN, _kill_group  # noqa: E402
-from loadgen import GEN_PATH, Workload  # noqa: E402
+from benchmarks.clients import GEN_PATH, Workload, load_cmd
+from benchmarks.report import pct
+from benchmarks.servers import MAX_MODEL_LEN, ROOT, default_model, kill_group, start
 
 PROBES = ("pause_keep", "pause_abort", "is_paused", "health")
 SYSTEMS = ("tito", "vllm")
 STEP_PROBE_TOKENS = MAX_MODEL_LEN - 16  # the longest stream the context allows: a few hundred steps per request
-
-
-def pct(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] * 1000.0
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -197,7 +183,7 @@ async def inflight(url: str) -> int:
 
 
 def run_system(system: str, model: str, ns: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+    from tests.helpers import engine_env, free_port, tito_cmd, vllm_cmd
 
     port = free_port()
     env = engine_env()
@@ -206,17 +192,14 @@ def run_system(system: str, model: str, ns: argparse.Namespace, out: Path) -> di
     else:
         cmd = vllm_cmd(model, port)
         env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /pause, /resume, /is_paused only in dev mode
-    # In this session, as bench.py does: a session is a CFS autogroup, and separate ones would halve the CPU.
-    server = ServerProcess(cmd, port, out / f"bench-control-{system}.log", env=env)
-    server.start(timeout=900)
+    server = start(cmd, port, out / f"bench-control-{system}.log", env)
     load = None
     try:
         url = server.url
         idle = asyncio.run(phase(url, ns.seconds))
         # Enough requests to outlast the probes (the load generator builds every body up front).
         wl = Workload("control", ns.streams, ns.max_tokens, True, ns.streams * 200, "p99")
-        load = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url,
-                                 json.dumps(asdict(wl))], stdout=subprocess.DEVNULL,
+        load = subprocess.Popen(load_cmd(url, wl), stdout=subprocess.DEVNULL,
                                 stderr=open(out / "bench-control-load.log", "ab"),  # noqa: SIM115
                                 env=engine_env(), cwd=str(ROOT), process_group=0)
         deadline = time.monotonic() + 300
@@ -228,18 +211,24 @@ def run_system(system: str, model: str, ns: argparse.Namespace, out: Path) -> di
         return {"idle": idle, "loaded": loaded, "inflight_at_end": asyncio.run(inflight(url))}
     finally:
         if load is not None:
-            _kill_group(load)
+            kill_group(load)
         server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks control", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="Comma-separated, of: tito, vllm (default both).")
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seconds", type=float, default=30.0, help="Probe time, idle and loaded each (default 30).")
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     ns = p.parse_args(argv)
     systems = [s for s in ns.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):
@@ -247,11 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model = ns.model
-    if model is None:
-        from app.tiny.model import make_tiny_model
-
-        model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
+    model = default_model(ns.model)
     results = {s: run_system(s, model, ns, out) for s in systems}
     doc = {"date": time.strftime("%Y-%m-%d"), "streams": ns.streams, "max_tokens": ns.max_tokens,
            "seconds": ns.seconds, "cpus": os.cpu_count(), "systems": results}

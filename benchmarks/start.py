@@ -6,7 +6,7 @@ as on a new machine: torch.compile compiles the model and inductor its kernels) 
 same caches (warm: vLLM reads the compiled graphs back). Systems alternate order round by
 round. ``/health`` answering 200 is "healthy" for both servers (tito's /health answers once the engine is up).
 
-    python scripts/bench_start.py --model models/qwen3-0.6b --rounds 2
+    python -m benchmarks start --model models/qwen3-0.6b --rounds 2
 """
 
 from __future__ import annotations
@@ -14,35 +14,26 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.report import spread
+from benchmarks.servers import reverse_odd, server_cmd
 
 SYSTEMS = ("tito", "eager", "vllm")
-
-
-def command(system: str, model: str, port: int, max_model_len: int) -> list[str]:
-    if system == "vllm":
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-                "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.3"]
-    cmd = [sys.executable, "-m", "tito", "serve", "--model", model, "--port", str(port), "--max-model-len",
-           str(max_model_len)]
-    return cmd + (["--enforce-eager"] if system == "eager" else [])
 
 
 def start_seconds(system: str, model: str, max_model_len: int, cache: Path, log: Path, timeout: float) -> float:
     from tests.helpers import EAGER_ENV, ServerProcess, engine_env, free_port
 
     port = free_port()
+    cmd = server_cmd(system, model, port, True, max_model_len=max_model_len)
     # Both caches a compile reads: vLLM's (its AOT-compiled graphs) and inductor's (kernels, shared across configs).
     env = engine_env({"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
                       EAGER_ENV: None})
-    server = ServerProcess(command(system, model, port, max_model_len), port, log, env=env)
+    server = ServerProcess(cmd, port, log, env=env)
     server.start(timeout=timeout)
     try:
         return ServerProcess.starts[-1].seconds
@@ -50,24 +41,25 @@ def start_seconds(system: str, model: str, max_model_len: int, cache: Path, log:
         server.stop()
 
 
-def spread(xs: list[float]) -> str:
-    return f"{min(xs):.1f} / {statistics.median(xs):.1f} / {max(xs):.1f}" if xs else "–"
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks start", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of {','.join(SYSTEMS)}.")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=1200.0, help="Seconds one start may take.")
     p.add_argument("--out", type=Path, default=Path("results/bench_start"))
-    ns = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     systems = [s for s in ns.systems.split(",") if s]
     ns.out.mkdir(parents=True, exist_ok=True)
     got: dict[str, dict[str, list[float]]] = {s: {"cold": [], "warm": []} for s in systems}
     for r in range(ns.rounds):
-        for system in systems if r % 2 == 0 else systems[::-1]:
+        for system in reverse_odd(systems, r):
             cache = Path(tempfile.mkdtemp(prefix=f"vllm-cache-{system}-"))
             try:
                 for kind in ("cold", "warm"):
@@ -78,7 +70,7 @@ def main() -> int:
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
     lines = ["| system | cold compile cache: seconds to healthy (min / median / max) | warm cache |", "|---|---|---|"]
-    lines += [f"| {s} | {spread(got[s]['cold'])} | {spread(got[s]['warm'])} |" for s in systems]
+    lines += [f"| {s} | {spread(got[s]['cold'], '{:.1f}')} | {spread(got[s]['warm'], '{:.1f}')} |" for s in systems]
     table = "\n".join(lines)
     print(table)
     doc: dict[str, Any] = {"model": ns.model, "rounds": ns.rounds, "seconds": got, "table": table}

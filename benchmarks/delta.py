@@ -1,5 +1,5 @@
 """Benchmark: staged sparse-delta updates (``/stage`` + ``/commit``) against a full ``/update_weights`` of the same
-steps, on the ~300 MB fp32 bench model of scripts/bench_weights.py, with generation running throughout.
+steps, on the ~300 MB fp32 bench model of benchmarks/weights.py, with generation running throughout.
 
 A chain of training steps, each changing ~2% of every tensor's elements (scattered, as an optimizer step on bf16
 weights does), is written as Prime-RL's trainer would: per step a ``delta.stream`` (sparse_delta_v2) and, for the
@@ -18,65 +18,22 @@ machine falls on both. Measured per step:
 
 Goals: commit pause <= 0.5 x the full update's; throughput while staging >= 0.9 x without.
 
-    .venv/bin/python scripts/bench_weights.py --delta [--repeat 3] [--blocks 2] [--streams 4]
+    python -m benchmarks weights --delta [--repeat 3] [--blocks 2] [--streams 4]
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-GEN = "/inference/v1/generate"
-
-
-class Load:
-    """``n`` closed-loop streaming clients in a thread; ``tokens(t0, t1)`` counts what they received in a window."""
-
-    def __init__(self, url: str, n: int, max_tokens: int = 48) -> None:
-        self.url, self.n, self.max_tokens = url, n, max_tokens
-        self.events: list[tuple[float, int]] = []
-        self.errors = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _client(self, c: httpx.AsyncClient, i: int) -> None:
-        k = 0
-        while not self.stop.is_set():
-            k += 1
-            body = {"token_ids": [1 + (i * 7 + k) % 500, 2, 3], "stream": True,
-                    "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}}
-            try:
-                async with c.stream("POST", GEN, json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            n = sum(len(ch["token_ids"]) for ch in json.loads(line[6:])["choices"])
-                            self.events.append((time.monotonic(), n))
-            except httpx.HTTPError:
-                self.errors += 1
-                await asyncio.sleep(0.1)
-
-    async def _main(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=600) as c:
-            await asyncio.gather(*(self._client(c, i) for i in range(self.n)))
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        time.sleep(2.0)  # every client past its first request
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(120)
-
-    def rate(self, t0: float, t1: float) -> float:
-        return sum(n for t, n in list(self.events) if t0 <= t < t1) / max(t1 - t0, 1e-9)
+from benchmarks.clients import Streams
+from benchmarks.probes import tree_cpu_s
+from benchmarks.weights import BENCH_CONFIG, System, write_checkpoints
 
 
 def write_chain(work: Path, n: int, fraction: float) -> tuple[Path, list[Path]]:
@@ -86,7 +43,6 @@ def write_chain(work: Path, n: int, fraction: float) -> tuple[Path, list[Path]]:
     from safetensors.torch import save_file
 
     from app.tiny.model import tiny_state_dict
-    from scripts.bench_weights import BENCH_CONFIG, write_checkpoints
     from tests.delta_encoder import perturb, write_delta
 
     model, _ = write_checkpoints(work)
@@ -113,8 +69,6 @@ def generated(c: httpx.Client) -> float:
 
 def paused(c: httpx.Client, pid: int, call: Any) -> dict[str, Any]:
     """pause (keep) -> ``call()`` -> resume, timed from the client, with the server's CPU seconds."""
-    from scripts.bench_weights import tree_cpu_s
-
     cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
     assert c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
     try:
@@ -126,8 +80,6 @@ def paused(c: httpx.Client, pid: int, call: Any) -> dict[str, Any]:
 
 
 def run(work: Path, repeat: int, blocks: int, streams: int, transport: str, fraction: float) -> dict[str, Any]:
-    from scripts.bench_weights import System, tree_cpu_s
-
     model, steps = write_chain(work, 2 * repeat * blocks, fraction)
     delta_bytes = statistics.median((d / "delta.stream").stat().st_size for d in steps)
     full_bytes = (steps[0] / "full" / "model.safetensors").stat().st_size
@@ -137,7 +89,7 @@ def run(work: Path, repeat: int, blocks: int, streams: int, transport: str, frac
     try:
         c = tito.client
         active = "base"
-        with Load(tito.server.url, streams) as load:
+        with Streams(tito.server.url, streams, 48, route="tokens") as load:
             it = iter(enumerate(steps, start=1))
             for _ in range(blocks):
                 for j in range(repeat):

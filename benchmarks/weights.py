@@ -14,10 +14,10 @@ same files (page cache warm, as the loads' are). Goals: tito / vLLM <= 1.05, tit
 reports the share of the reload spent re-processing the loaded layers (``process_weights_after_loading``; on CPU that
 is where vLLM re-packs every linear weight for oneDNN).
 
-    .venv/bin/python scripts/bench_weights.py [--workdir /tmp/tito-bench] [--repeat 5] [--systems tito,vllm] [--profile]
+    python -m benchmarks weights [--workdir /tmp/tito-bench] [--repeat 5] [--systems tito,vllm] [--profile]
 
 ``--delta`` instead benchmarks staged sparse-delta updates against full updates of the same steps
-(scripts/bench_delta.py: commit pause, and generation throughput while a stage uploads).
+(benchmarks/delta.py: commit pause, and generation throughput while a stage uploads).
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,8 +34,8 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.probes import Spy, collapsed, engine_pid, tree_cpu_s
+from benchmarks.servers import start
 
 # ~300 MB in fp32: 2 x 32000x768 embeddings + 4 layers.
 BENCH_CONFIG = {
@@ -78,72 +76,17 @@ def read_all(d: Path) -> float:
     return time.perf_counter() - t0
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its descendants (the server's API and engine processes)."""
-    import psutil
-
-    total = 0.0
-    try:
-        procs = [psutil.Process(pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.Error:
-        return 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def engine_pid(pid: int) -> int:
-    """The process that runs the model (the EngineCore, which holds the worker on CPU): the busiest descendant."""
-    import psutil
-
-    kids = psutil.Process(pid).children(recursive=True)
-    return max(kids, key=lambda p: sum(p.cpu_times()[:2])).pid if kids else pid
-
-
-class Spy:
-    """py-spy sampling one process to a collapsed-stack file while the ``with`` block runs."""
-
-    def __init__(self, pid: int, out: Path) -> None:
-        self.pid, self.out = pid, out
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Spy:
-        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        self.proc = subprocess.Popen([exe, "record", "-p", str(self.pid), "-r", "100", "--nonblocking", "--format",
-                                      "raw", "-o", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.0)  # attached before the first load
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def reload_shares(stacks: Path) -> dict[str, float] | None:
     """Of the samples inside vLLM's reload: the share re-processing layers, and the share of that in oneDNN packing."""
-    if not stacks.exists():
-        return None
     c: Counter[str] = Counter()
-    for line in stacks.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
+    for stack, n in collapsed(stacks):
         if RELOAD_FRAME not in stack:
             continue
-        c["reload"] += int(n)
+        c["reload"] += n
         if PROCESS_FRAME in stack:
-            c["process"] += int(n)
+            c["process"] += n
             if any(f in stack for f in ONEDNN_FRAMES):
-                c["onednn"] += int(n)
+                c["onednn"] += n
     if not c["reload"]:
         return None
     return {"samples": c["reload"], "process_share": c["process"] / c["reload"],
@@ -154,7 +97,7 @@ class System:
     """One server of the comparison, started before the timed loads and stopped after."""
 
     def __init__(self, name: str, model: Path, work: Path) -> None:
-        from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd, vllm_cmd
+        from tests.helpers import engine_env, free_port, tito_cmd, vllm_cmd
 
         self.name = name
         port = free_port()
@@ -164,8 +107,7 @@ class System:
         else:
             cmd = vllm_cmd(model, port)  # max_model_len 512, eager, fp32: tito's settings on CPU
             env = engine_env({"VLLM_SERVER_DEV_MODE": "1"})  # mounts /collective_rpc
-        self.server = ServerProcess(cmd, port, work / f"{name}.log", env=env).start(timeout=600)
-        assert self.server.proc is not None
+        self.server = start(cmd, port, work / f"{name}.log", env, 600)
         self.pid = self.server.proc.pid
         self.client = httpx.Client(base_url=self.server.url, timeout=600)
         self.loads: list[float] = []
@@ -233,24 +175,29 @@ def run(systems: list[str], model: Path, steps: list[Path], work: Path, repeat: 
     return res, reads
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks weights", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/tito-bench-weights"))
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--systems", default="tito,vllm", help="Comma-separated subset of tito,vllm.")
     p.add_argument("--profile", action="store_true", help="Sample the engine with py-spy: re-processing share.")
     p.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
-    p.add_argument("--delta", action="store_true", help="Staged deltas vs full updates (scripts/bench_delta.py).")
+    p.add_argument("--delta", action="store_true", help="Staged deltas vs full updates (benchmarks/delta.py).")
     p.add_argument("--blocks", type=int, default=2, help="--delta: alternating blocks of --repeat steps each.")
     p.add_argument("--streams", type=int, default=4, help="--delta: closed-loop generating clients.")
     p.add_argument("--transport", default="streaming", help="--delta: path, multipart, chunked or streaming.")
     p.add_argument("--fraction", type=float, default=0.02, help="--delta: share of elements a step changes.")
-    a = p.parse_args()
-    if a.delta:
-        from scripts import bench_delta
+    return p
 
-        res = bench_delta.run(a.workdir, a.repeat, a.blocks, a.streams, a.transport, a.fraction)
-        bench_delta.report(res)
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.delta:
+        from benchmarks import delta
+
+        res = delta.run(a.workdir, a.repeat, a.blocks, a.streams, a.transport, a.fraction)
+        delta.report(res)
         if a.json:
             a.json.write_text(json.dumps(res, indent=2))
         return 0

@@ -25,9 +25,10 @@ read a warm page cache.
 Every server runs eager (``--enforce-eager``): an update's time does not depend on torch.compile (the reload
 re-processes the weights, it does not recompile).
 
-    python scripts/bench_updates.py --model /work/main/models/qwen3-0.6b --rounds 2 --repeat 5
-    python scripts/bench_updates.py --model /work/main/models/qwen3-0.6b --soak 20
-    python scripts/bench_updates.py --model /work/main/models/qwen3-4b --systems tito --kinds full
+    python -m benchmarks updates --model models/qwen3-0.6b --rounds 2 --repeat 5      # make bench-updates
+    python -m benchmarks updates --model models/qwen3-0.6b --soak 20
+    python -m benchmarks updates --model models/qwen3-4b --systems tito --kinds full
+    python -m benchmarks updates --report a.json b.json                               # one table from several runs
 """
 
 from __future__ import annotations
@@ -44,12 +45,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from update_probes import Sampler, Streams, read_speed  # noqa: E402 - after the path set-up above
+from benchmarks.clients import Streams
+from benchmarks.probes import Sampler, read_speed
+from benchmarks.report import slope, spread
+from benchmarks.servers import ROOT, module_cmd, port_in, server_cmd, start
 
 PAUSE = {"mode": "keep", "clear_cache": "false"}  # Prime-RL's pause
 
@@ -65,29 +64,24 @@ class Server:
     """One system, started fresh, with its streams and memory sampler; ``update()`` runs one timed update."""
 
     def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int) -> None:
-        from bench_openai import port_in, server_cmd
-
-        from tests.helpers import ServerProcess, engine_env
+        from tests.helpers import engine_env
 
         self.system, self.model, self.work = system, model, work
-        port = port_in(None)
+        port = port_in()
         extra = f"--enforce-eager --max-model-len {max_len}"
         if system == "tito":
             extra += f" --allowed-weight-root {work} --allowed-weight-root {model}"
         env = engine_env({"VLLM_SERVER_DEV_MODE": "1"} if system == "vllm" else None)
-        self.proc = ServerProcess(server_cmd(system, str(model), port, True, extra), port,
-                                  work / f"{system}-{port}.log", env=env)
         t0 = time.monotonic()
+        self.proc = start(server_cmd(system, str(model), port, True, extra), port, work / f"{system}-{port}.log", env)
+        self.start_s = time.monotonic() - t0
         try:
-            self.proc.start(timeout=900)
-            self.start_s = time.monotonic() - t0
-            assert self.proc.proc is not None
             self.pid = self.proc.proc.pid
             self.client = httpx.Client(base_url=self.proc.url, timeout=900)
             self.mem = Sampler(self.pid)
             self.streams = Streams(self.proc.url, streams, max_len - 32).__enter__()
         except BaseException:
-            self.proc.kill()  # interrupted while starting (a timeout's SIGTERM): no server is left behind
+            self.proc.kill()  # interrupted while the streams start (a timeout's SIGTERM): no server is left behind
             raise
         self.n = 0
 
@@ -123,13 +117,14 @@ class Server:
         after = self.mem.steady(time.monotonic())
         answer = answer or {}
         nbytes = int(answer.get("bytes") or nbytes)
-        row = {"system": self.system, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
-               "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "bytes": nbytes, "gbps": nbytes / (t2 - t1) / 1e9,
-               "server_s": answer.get("seconds"), "reload_s": answer.get("reload_seconds"),
-               "retie_s": answer.get("retie_seconds"),
-               "steady_rss": steady[0], "steady_anon": steady[1],
-               "peak_rss_above": peak[0] - steady[0], "peak_anon_above": peak[1] - steady[1],
-               "after_rss_above": after[0] - steady[0], "after_anon_above": after[1] - steady[1]}
+        row: dict[str, Any] = {
+            "system": self.system, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
+            "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "bytes": nbytes, "gbps": nbytes / (t2 - t1) / 1e9,
+            "server_s": answer.get("seconds"), "reload_s": answer.get("reload_seconds"),
+            "retie_s": answer.get("retie_seconds"),
+            "steady_rss": steady[0], "steady_anon": steady[1],
+            "peak_rss_above": peak[0] - steady[0], "peak_anon_above": peak[1] - steady[1],
+            "after_rss_above": after[0] - steady[0], "after_anon_above": after[1] - steady[1]}
         print(f"{self.system} {kind}: update {row['update_s']:.2f}s ({row['gbps']:.2f} GB/s), "
               f"pause {row['pause_s']:.2f}s, stream gap {row['gap_s']:.2f}s (token {tpot * 1000:.0f} ms), "
               f"peak +{row['peak_rss_above'] / 1e9:.2f} GB RSS (+{row['peak_anon_above'] / 1e9:.2f} anon), "
@@ -173,8 +168,8 @@ def tito_broadcasts(s: Server, repeat: int) -> list[dict[str, Any]]:
     for d in steps:
         d.mkdir(parents=True, exist_ok=True)
         (d / "NCCL_READY").unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--sender", str(port), "--model", str(s.model),
-           *[x for d in steps for x in ("--step-dir", str(d))]]
+    cmd = module_cmd("benchmarks.updates", "--sender", str(port), "--model", str(s.model),
+                     *[x for d in steps for x in ("--step-dir", str(d))])
     log = (s.work / f"sender-{port}.log").open("wb")
     sender = subprocess.Popen(cmd, cwd=str(ROOT), env=engine_env(), stdout=log, stderr=subprocess.STDOUT,
                               process_group=0)
@@ -298,21 +293,6 @@ def soak(a: argparse.Namespace) -> dict[str, Any]:
             "slope_anon": slope(anon), "stream_errors": errors, "start_s": s.start_s}
 
 
-def slope(ys: list[float]) -> float:
-    """Least-squares bytes per update."""
-    n = len(ys)
-    if n < 2:
-        return 0.0
-    mx, my = (n - 1) / 2, statistics.fmean(ys)
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
-
-
-def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
-    if not xs:
-        return "–"
-    return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
-
-
 LABELS = {("tito", "full"): "tito: full update from disk (`/update_weights`)",
           ("vllm", "full"): "vLLM's server: `reload_weights` (`/collective_rpc`)",
           ("tito", "delta"): "tito: staged delta commit (`/commit`)",
@@ -379,8 +359,9 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks updates", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="A model directory (absolute path; tito make-tiny-model --shape).")
     p.add_argument("--work", type=Path, default=None, help="Logs, delta chain, broadcast markers (default: "
                    "/tmp/tito-bench-updates/<model name>).")
@@ -397,7 +378,11 @@ def main() -> int:
     p.add_argument("--step-dir", type=Path, action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path, nargs="+", default=None, help="Instead: the table of these runs' JSON "
                    "files together (their rounds pooled; the soak of the last one that has one).")
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if a.sender is not None:
         return run_sender(a.sender, a.model, a.step_dir)
     if a.report:

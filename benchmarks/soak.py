@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Soak: weight updates under load, and an audit of every answer.
 
 While ``--streams`` clients each keep one streamed generate request in flight (closed loop, random prompt and
@@ -19,9 +18,9 @@ Every request carries its own ``seed`` (the case that used to crash vLLM's Engin
 Generator does not use offset"; tito now starts vLLM with chunked prefill off on CPU, see the docs); ``--no-seed`` sends
 none.
 
-    python scripts/soak.py                                  # 20 updates under 256 streams on the tiny model
-    python scripts/soak.py --updates 4 --streams 32         # a short run
-    python scripts/soak.py --url http://127.0.0.1:8000 --checkpoints DIR_A,DIR_B   # against a running server
+    python -m benchmarks soak                               # 20 updates under 256 streams on the tiny model
+    python -m benchmarks soak --updates 4 --streams 32      # a short run
+    python -m benchmarks soak --url http://127.0.0.1:8000 --checkpoints DIR_A,DIR_B   # against a running server
 """
 
 from __future__ import annotations
@@ -37,14 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from loadgen import GEN_PATH, _Conn, sse_events  # noqa: E402 - the lean HTTP/1.1 client of the benchmark
-
-MAX_MODEL_LEN = 512
+from benchmarks.clients import GEN_PATH, _Conn, sse_events  # the lean HTTP/1.1 client of the benchmarks
+from benchmarks.servers import MAX_MODEL_LEN, start
 
 
 @dataclass
@@ -228,8 +221,9 @@ async def soak(url: str, checkpoints: list[str], updates: int, streams: int, *, 
     return rep
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128, help="Each request asks for 16..N tokens (default 128).")
@@ -238,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoints", default=None,
                    help="Two comma-separated checkpoint directories to alternate (default: two tiny models).")
     p.add_argument("--out", default="results", help="Folder for soak.json and the server log (default results/).")
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
 
     out = Path(ns.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -251,12 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = ns.url
     if url is None:
-        from tests.helpers import ServerProcess, engine_env, free_port, tito_cmd
+        from tests.helpers import engine_env, free_port, tito_cmd
 
         port = free_port()
         cmd = tito_cmd(ckpts[0], port, "--max-model-len", str(MAX_MODEL_LEN), "--allowed-weight-root", str(out))
-        server = ServerProcess(cmd, port, out / "soak-server.log", env=engine_env())
-        server.start(timeout=900)
+        server = start(cmd, port, out / "soak-server.log", engine_env())
         url = server.url
     try:
         rep = asyncio.run(soak(url, ckpts, ns.updates, ns.streams, seed_requests=not ns.no_seed,

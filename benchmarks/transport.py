@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """The floor of a token stream's transport: CPU per message of a ``grpc.aio`` server stream, of the same servicer on
 pygrpc-native's server (tito's default ``--grpc-server native``), and of a bare asyncio (uvloop) socket that writes
 one SSE-like frame per message, no engine and no tito code.
 
-    python scripts/bench_transport.py [--streams 32] [--messages 64] [--step 0.004] [--rounds 3]
+    python -m benchmarks transport [--streams 32] [--messages 64] [--step 0.004] [--rounds 3]
 
 Each server runs in a process of its own; ``--streams`` concurrent streams of ``--messages`` small messages each, a
 message every ``--step`` seconds per stream (an engine step), rounds alternating. The server process's CPU (from
@@ -20,19 +19,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import uvloop
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from benchmarks.probes import process_cpu_s as cpu_seconds
+from benchmarks.servers import port_in as free_port
 
 
 def _ticking(step: float) -> asyncio.Event:
@@ -134,15 +126,19 @@ async def raw_client(port: int, streams: int, requests: int) -> None:
     await asyncio.gather(*(one(requests // streams) for _ in range(streams)))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks transport", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--messages", type=int, default=64)
     ap.add_argument("--step", type=float, default=0.004)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ns = ap.parse_args()
-    from tests.helpers import free_port
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
 
     servers = {"grpc": (grpc_server, grpc_client), "native": (native_server, grpc_client),
                "raw": (raw_server, raw_client)}
