@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from app.client.commands import format_status
 from tests.conftest import module_server, start_tito
 from tests.helpers import ServerProcess, metric_value, restore_server
 from tests.prime_rl_src import PRIME_MODEL, use_prime_rl
@@ -97,6 +98,9 @@ def test_prime_rl_launcher_with_dp2_starts_two_api_processes(server: ServerProce
     assert [m["id"] for m in a.get("/v1/models").json()["data"]] == [PRIME_MODEL]
     sa, sb = a.get("/server_info").json(), b.get("/server_info").json()  # the control process answers both
     assert sa["server"]["pid"] == sb["server"]["pid"] == rows[2]["pid"]
+    status = format_status(info)  # `tito status`
+    assert "parallelism     dp=2 tp=1 api=2" in status and f"api 1 pid {rows[1]['pid']}: " in status
+    assert f"control pid {rows[2]['pid']}: " in status
 
 
 def test_control_calls_through_either_process_hold_for_the_whole_server(server: ServerProcess, procs: Any) -> None:

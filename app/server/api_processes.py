@@ -229,7 +229,9 @@ class ControlPeers:
         from multiprocessing.connection import wait
 
         sentinels = {p.sentinel: p for p in self.processes}
-        dead: list[Any] = await asyncio.to_thread(wait, list(sentinels))
+        dead: list[Any] = []
+        while not dead and not self.stopping:  # a thread waits on the sentinels, a second at a time
+            dead = await asyncio.to_thread(wait, list(sentinels), 1.0)
         if self.stopping:
             return
         procs = [sentinels[s] for s in dead]
@@ -279,12 +281,11 @@ class ControlPeers:
         if tag is not None:
             secret, _, rest = tag.decode("latin-1").partition(" ")
             if secrets.compare_digest(secret, self.layout.secret):
-                index, _, client = rest.partition(" ")
+                _, _, client = rest.partition(" ")  # "<api process index> <client host> <client port>"
                 host, _, port = client.rpartition(" ")
                 scope = dict(scope)
-                scope["client"] = (host, int(port)) if port.isdigit() else None
+                scope["client"] = (host, int(port)) if port.isdigit() else None  # the request log's, as sent
                 scope["headers"] = [(k, v) for k, v in scope["headers"] if k != FORWARDED]
-                scope.setdefault("state", {})["api_process"] = int(index) if index.isdigit() else None
 
         async def published(message: Any) -> None:
             if message["type"] == "http.response.start":
