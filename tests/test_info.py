@@ -10,8 +10,8 @@ import pytest
 pytestmark = pytest.mark.engine
 
 # tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
-SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "api_processes", "dynamo", "routes",
-            "vllm_config", "vllm_env", "vllm_args"}
+SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "api_processes", "dynamo",
+            "routes", "vllm_config", "vllm_env", "vllm_args"}
 KEYS = {
     "server": {"name", "version", "vllm_version", "pid", "host", "port", "started_at", "started_at_unix", "uptime_s"},
     "model": {"served_model_name", "path", "dtype", "max_model_len", "vocab_size", "max_num_seqs", "max_logprobs",
