@@ -29,7 +29,6 @@ Each round holds the machine's exclusive lock (``--lock``; COORDINATION.md) and 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
 import json
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.clients import Workload, closed_loop, request_spec, sse_events
+from benchmarks.clients import Workload, request_spec, sse_events
 from benchmarks.probes import cpu_seconds, descendants
 from benchmarks.report import fmt, spread, write
 from benchmarks.servers import NAME, default_model, module_cmd, port_in, reverse_odd, run_json, server_cmd, start
@@ -107,38 +106,10 @@ def _completion_tokens(body: bytes) -> int:
 
 
 async def completions_load(url: str, wl: Workload) -> dict[str, Any]:
-    """The lean load generator (benchmarks/clients.py ``_Conn``) on streamed ``/v1/completions``."""
-    from benchmarks.clients import _Conn
+    """The lean load generator (benchmarks/clients.py) on streamed ``/v1/completions``."""
+    from benchmarks.clients import raw_http_load
 
-    host, _, port = url.removeprefix("http://").partition(":")
-    head = (f"POST {CMPL_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            "Content-Length: ").encode()
-    bodies = _completion_bodies(wl)
-    loop = asyncio.get_running_loop()
-    conns: list[Any] = [None] * wl.clients
-
-    async def send(c: int, i: int) -> int:
-        conn = conns[c]
-        try:
-            if conn is None or conn.transport is None:
-                _, conn = await loop.create_connection(_Conn, host, int(port))
-                conns[c] = conn
-            status, body = await conn.request(head, bodies[i])
-        except BaseException:
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()
-            conns[c] = None
-            raise
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
-        return _completion_tokens(body)
-
-    try:
-        return await closed_loop(wl, send)
-    finally:
-        for conn in conns:
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()
+    return await raw_http_load(url, wl, CMPL_PATH, _completion_bodies(wl), _completion_tokens)
 
 
 def _load(url: str, case: Case, logs: Path) -> dict[str, Any]:

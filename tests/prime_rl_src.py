@@ -70,3 +70,18 @@ def launcher_argv(port: int, model_dir: Path, **vllm: object) -> list[str]:
     at = argv.index("--model")
     argv[at + 1:at + 2] = [str(model_dir), "--served-model-name", PRIME_MODEL]
     return argv
+
+
+async def prime_rl_update(url: str, step_dir: Path, step: int) -> None:
+    """Prime-RL's orchestrator's call for a full-model step: ``update_weights`` (pause with keep, ``/update_weights``,
+    resume) on its admin clients for ``url``."""
+    use_prime_rl()
+    from prime_rl.configs.shared import ClientConfig
+    from prime_rl.utils.client import setup_admin_clients, update_weights
+
+    clients = setup_admin_clients(ClientConfig(base_url=f"{url}/v1"))
+    try:
+        await update_weights(clients, step_dir, step=step)
+    finally:
+        for c in clients:
+            await c.aclose()

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from app.client.commands import format_status
 from tests.conftest import module_server, start_tito
 from tests.helpers import ServerProcess, metric_value, restore_server
-from tests.prime_rl_src import PRIME_MODEL, use_prime_rl
+from tests.prime_rl_src import PRIME_MODEL, prime_rl_update
 from tests.reference import PeftReference
 from tests.rl_steps import write_step
 from tests.streaming import family, read_stream, stream_body, wait_gone
@@ -146,20 +146,6 @@ def _versions(spans: list[dict[str, Any]] | None) -> list[str]:
     return [s["version"] for s in spans or []]
 
 
-async def _prime_rl_update(url: str, step_dir: Path, step: int) -> None:
-    """Prime-RL's orchestrator's call: pause (keep), /update_weights, resume, on its admin clients."""
-    use_prime_rl()
-    from prime_rl.configs.shared import ClientConfig
-    from prime_rl.utils.client import setup_admin_clients, update_weights
-
-    clients = setup_admin_clients(ClientConfig(base_url=f"{url}/v1"))
-    try:
-        await update_weights(clients, step_dir, step=step)
-    finally:
-        for c in clients:
-            await c.aclose()
-
-
 def test_prime_rl_update_through_the_port_while_both_processes_stream_and_admit(
         server: ServerProcess, procs: Any, tmp_path: Path) -> None:
     """Prime-RL's admin client pauses (keep), updates and resumes through the port while rollouts stream through
@@ -199,7 +185,7 @@ def test_prime_rl_update_through_the_port_while_both_processes_stream_and_admit(
 
             admitting = [asyncio.ensure_future(admit()) for _ in range(2)]
             await asyncio.sleep(0.2)
-            await _prime_rl_update(server.url, step_dir, 1)
+            await prime_rl_update(server.url, step_dir, 1)
             answered = time.monotonic()
             await asyncio.sleep(0.3)
             stop.set()

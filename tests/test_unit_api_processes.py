@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from app.core.protocol import ApiError
@@ -153,12 +154,7 @@ async def _echo(scope: Scope, receive: Receive, send: Send) -> None:
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
-    body = b""
-    more = True
-    while more:
-        msg = await receive()
-        body += msg.get("body", b"")
-        more = msg.get("more_body", False)
+    body = await Request(scope, receive).body()
     seen = {"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
             "headers": {k.decode(): v.decode() for k, v in scope["headers"]}, "length": len(body),
             "sum": sum(body) % 1000}
