@@ -10,7 +10,7 @@ tito to vLLM taken round by round.
               for N > 1), with ``--enable-scale-out`` for the token route
 
 Cases (closed loop, C clients each sending its next request as soon as the last one answered; 16 prompt tokens, 64
-new tokens, ``ignore_eos``; a warm-up of C requests first):
+new tokens, ``ignore_eos``; a warm-up of C requests first, not measured):
 
     gen-C     the token route ``/inference/v1/generate``, JSON answers
     cmpl-C    ``/v1/completions`` with token-id prompts, streamed (SSE; tokens counted from the final usage chunk)
@@ -126,18 +126,15 @@ def _load_main(url: str, case_json: str) -> int:
     from benchmarks.clients import raw_load
 
     case = Case(**json.loads(case_json))
-    wl = case.workload()
-    warm = Workload(wl.name, wl.clients, wl.max_tokens, wl.stream, wl.clients, wl.metric, wl.prompt_len)
     run = completions_load if case.stream else raw_load
 
-    async def both() -> dict[str, Any]:
-        await run(url, warm)  # cold paths of every API process (the first requests after a start)
+    async def measured() -> dict[str, Any]:
         t0 = time.process_time()
-        res = await run(url, wl)
+        res = await run(url, case.workload())
         res["client_cpu_ms_per_req"] = (time.process_time() - t0) * 1000 / max(1, res["ok"])
         return res
 
-    print(json.dumps(uvloop.run(both())))
+    print(json.dumps(uvloop.run(measured())))
     return 0
 
 
@@ -195,6 +192,9 @@ def run_system(system: str, ns: argparse.Namespace, model: str, all_cases: list[
         pids = api_pids(server.proc.pid)
         out: dict[str, Any] = {"api_pids": len(pids)}
         for case in all_cases:
+            # The cold paths first, outside the measurement: each API process's first requests of a route (tito
+            # builds vLLM's OpenAI layer at the first /v1 request, seconds of imports).
+            _load(server.url, Case(case.name + "-warm", case.clients, case.stream, case.clients), logs)
             before = cpu_seconds(api_pids(server.proc.pid))
             res = _load(server.url, case, logs)
             res["api_cpu_ms_per_req"] = (cpu_seconds(api_pids(server.proc.pid)) - before) * 1000 / max(1, res["ok"])
