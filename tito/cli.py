@@ -108,7 +108,7 @@ def _serve(argv: list[str], own_process: bool, early: Any) -> int:
     from tito.main import create_app
 
     if processes > 1:
-        code = _serve_api_processes(settings, processes, _socket(early, settings))
+        code = _serve_api_processes(settings, processes, early)
     else:
         # SIGTERM drains (see app/server/lifecycle.py); the exit code is 0 after a clean shutdown, non-zero if the
         # engine died.
@@ -167,9 +167,9 @@ def _metrics_of_processes() -> None:
     values.ValueClass = values.get_value_class()
 
 
-def _serve_api_processes(settings: Any, processes: int, sock: Any) -> int:
+def _serve_api_processes(settings: Any, processes: int, early: Any) -> int:
     """``--api-server-count`` N > 1: this process is the server's control process; it forks the N API processes
-    that serve ``sock`` (app/server/api_processes.py), then serves the control plane on its private socket."""
+    that serve the port (app/server/api_processes.py), then serves the control plane on its private socket."""
     from app.engine.api_servers import EnginePlan
     from app.server.api_processes import ApiPeers, ControlPeers, Layout, unix_listener
     from app.server.lifecycle import serve, serve_api_process
@@ -185,6 +185,7 @@ def _serve_api_processes(settings: Any, processes: int, sock: Any) -> int:
         private = unix_listener(layout.api_socket(own.index))
         return serve_api_process(app, settings, [sock, private], cast(Any, layout.shared.loads), own.index)
 
+    sock = _socket(early, settings)  # the port's early answers stop here: no thread may run across the fork
     peers.fork(settings, sock, api_process)
     sock.close()  # the API processes hold the port
     plan.keep_only(plan.control_index)
