@@ -85,8 +85,8 @@ LOCAL_PATHS = frozenset({
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
 })
 INTERNAL_PREFIX = "/_tito/"
-SWEEP_S = 0.1  # the control process publishes what changed without a request (a pause lease that ran out)
-WATCH_S = 0.05  # an API process looks at the board between requests (the engine's death, the server stopping)
+SWEEP_S = 0.25  # the control process publishes what changed without a request (a pause lease that ran out)
+WATCH_S = 0.2  # an API process looks at the board between requests (the engine's death, the server stopping)
 STOP_GRACE_S = 10.0  # an API process asked to stop has this long before it is killed
 
 
@@ -226,17 +226,25 @@ class ControlPeers:
             self.changed()
 
     async def _watch(self, on_death: Callable[[str], None]) -> None:
-        from multiprocessing.connection import wait
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[BaseProcess] = loop.create_future()
 
-        sentinels = {p.sentinel: p for p in self.processes}
-        dead: list[Any] = []
-        while not dead and not self.stopping:  # a thread waits on the sentinels, a second at a time
-            dead = await asyncio.to_thread(wait, list(sentinels), 1.0)
+        def exited(p: BaseProcess) -> None:
+            if not gone.done():
+                gone.set_result(p)
+
+        for p in self.processes:  # a process's sentinel becomes readable when it exits
+            loop.add_reader(p.sentinel, exited, p)
+        try:
+            first = await gone
+        finally:
+            for p in self.processes:
+                loop.remove_reader(p.sentinel)
         if self.stopping:
             return
-        procs = [sentinels[s] for s in dead]
         await asyncio.sleep(0.05)  # the exit codes are there once the sentinel fires
-        on_death("; ".join(f"API process {p.name} (pid {p.pid}) {_how(p.exitcode)}" for p in procs))
+        dead = [p for p in self.processes if p is first or p.exitcode is not None]
+        on_death("; ".join(f"API process {p.name} (pid {p.pid}) {_how(p.exitcode)}" for p in dead))
 
     def info(self) -> list[dict[str, Any]]:
         rows = []
