@@ -24,7 +24,8 @@ CUDA_ONLY := torchvision torchaudio torchcodec
 
 help:
 	@echo "make serve   - install (first time), create the tiny default model, serve it on $(HOST):$(PORT)"
-	@echo "               (HOST, PORT, DTYPE; MODEL=DIR serves an existing model directory instead)"
+	@echo "               (HOST, PORT, DTYPE; MODEL=DIR serves an existing model directory instead, in its own dtype;"
+	@echo "               SERVE_ARGS=... more flags for tito serve)"
 	@echo "make dynamo  - tito under Dynamo on this machine: Dynamo's frontend on $(PORT), tito and its sidecar"
 	@echo "               (scripts/dynamo_local.sh; installs the dynamo and grpc extras first)"
 	@echo "make test    - install (first time), create the tiny model, run lint and the whole test suite"
@@ -44,7 +45,10 @@ help:
 	@echo "               benchmark: python -m benchmarks (the list), python -m benchmarks NAME --help"
 	@echo "make seed-run - Prime-RL's orchestrator, unchanged, finding tito through Dynamo: 3 steps at Qwen3-0.6B's shape"
 	@echo "               (OUT=dir, MODEL=dir, SEED_ARGS=...; scripts/seed_run.py --help)"
-	@echo "make prime-rl - the venv of Prime-RL's orchestrator (PRIME_RL_VENV=$(PRIME_RL_VENV)), for seed-run and the tests"
+	@echo "make prime-rl - the venv of Prime-RL's orchestrator (PRIME_RL_VENV=$(PRIME_RL_VENV)), for seed-run and the tests,"
+	@echo "               and verifiers' harness environment pinned to it (nothing is resolved at run time)"
+	@echo "make fresh-check - a clean clone and an empty HOME (every cache empty), then FRESH_TARGETS (default seed-run;"
+	@echo "               \"seed-run test\" for both) from there, timed: what a new user's machine does"
 	@echo "make clean   - remove the venv, models/, results/, site/ and the caches"
 
 # Installs go through uv (scripts/uv_pip.py: the sources and constraints pip is configured with): from nothing, the
@@ -186,7 +190,8 @@ $(VENV)/.installed-dynamo: pyproject.toml $(VENV)/.installed-cpu
 	touch $@
 
 dynamo: $(MODEL_READY) $(VENV)/.installed-dynamo
-	MODEL=$(MODEL) HTTP_PORT=$(PORT) VENV=$(VENV) bash scripts/dynamo_local.sh
+	MODEL=$(MODEL) HTTP_PORT=$(PORT) VENV=$(VENV) bash scripts/dynamo_local.sh $(if $(IS_TINY),--enforce-eager) \
+	  --dtype $(DTYPE) $(SERVE_ARGS)
 
 # The docs: the generated reference pages must be current, and the site must build with every link and anchor found
 # (offline: no web fonts, no plugin that fetches), into site/.
@@ -248,6 +253,13 @@ SEED_ARGS ?=
 seed-run: $(VENV)/.installed-dynamo prime-rl
 	$(BIN)/python scripts/seed_run.py $(if $(OUT),--out $(OUT)) \
 	  $(if $(filter command line environment,$(origin MODEL)),--model $(MODEL)) $(SEED_ARGS)
+
+# What a new user's machine does: a clean clone of HEAD, an empty HOME (uv's, pip's and every client venv's caches
+# empty), then FRESH_TARGETS from there, each timed (scripts/fresh_check.sh). FRESH_DIR=dir, FRESH_KEEP=1 keeps it.
+FRESH_TARGETS ?= seed-run
+.PHONY: fresh-check
+fresh-check:
+	bash scripts/fresh_check.sh $(FRESH_TARGETS)
 
 clean:
 	rm -rf $(VENV) models results site .pytest_cache .mypy_cache .ruff_cache .lint.log .lint.rc

@@ -231,8 +231,15 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-inflight", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48, help="Completion tokens per rollout.")
+    p.add_argument("--max-tokens", type=int, default=256, help="Completion tokens per rollout.")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="The stand-in trainer's torch threads (0: torch's default, one per core; 1 leaves tito's "
+                   "engine its core on a 2-core machine, where two threads made both slower).")
+    p.add_argument("--train-layers", type=int, default=2,
+                   help="The stand-in trainer trains the last N transformer blocks and the final norm (0: the whole "
+                   "model; on 2 CPU cores shared with tito a whole-model step at 0.6B is slower than the "
+                   "orchestrator's next batch, so the last version would not be applied).")
     p.add_argument("--out", type=Path, default=None, help="Output directory (default: a new temporary one).")
     p.add_argument("--tito-arg", action="append", default=[], help="One more argument for tito serve (repeatable).")
     a = p.parse_args()
@@ -276,7 +283,8 @@ def main() -> int:
         requests0 = _metric(stack.tito_url, "vllm:request_success_total")
         run = PrimeRun(out, a.model, a.served_name, base_url, admin, steps=a.steps, seq_len=a.max_model_len,
                        batch_size=a.batch_size, group_size=a.group_size, max_inflight=a.max_inflight,
-                       max_tokens=a.max_tokens, lr=a.lr, timeout=3600)
+                       max_tokens=a.max_tokens, lr=a.lr, train_layers=a.train_layers,
+                       trainer_threads=a.trainer_threads, timeout=3600)
         probes: dict[int, bool] = {}
 
         def on_version(k: int) -> None:
@@ -291,13 +299,13 @@ def main() -> int:
         restarts = 0 if stack.tito.poll() is None and _get(stack.tito_url + "/ready") == 200 else 1
         updates = _updates((out / "tito.log").read_text(errors="replace"))
         failed_http = _metric(stack.tito_url, 'tito_requests_total{route="/inference/v1/generate",status="5')
-        # tito alone on the run's requests (as many, as long, as many at once): the rate the run would have if only
-        # serving bound it.
+        # tito alone on the run's requests (as many as its rollouts, as long, as many at once): the rate the run would
+        # have if only serving bound it.
         requests = _metric(stack.tito_url, "vllm:request_success_total") - requests0
         prompt_len = round((_metric(stack.tito_url, "vllm:prompt_tokens_total") - prompts0) / max(requests, 1))
-        serving = (asyncio.run(serving_rate(stack.tito_url, a.served_name, int(requests), a.max_inflight,
-                                            max(prompt_len, 1), max(round(tokens / max(requests, 1)), 1)))
-                   if restarts == 0 and requests else None)
+        serving = (asyncio.run(serving_rate(stack.tito_url, a.served_name, res["rollouts"], a.max_inflight,
+                                            max(prompt_len, 1), a.max_tokens))
+                   if restarts == 0 and res["rollouts"] else None)
     finally:
         if run is not None:
             run.stop()

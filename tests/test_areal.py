@@ -34,7 +34,7 @@ LONG_PROMPT = [7, 7, 3, 9]
 def areal_python() -> Path:
     """AReaL's venv (``make areal``; ``make test`` builds it in the background and this waits for that build); the
     test skips, saying why, where it cannot be had."""
-    py = venv_python("AReaL", "AREAL", "areal")
+    py = venv_python("AReaL", "TITO_AREAL_BUILD", "TITO_AREAL_VENV", "areal")
     if isinstance(py, str):
         pytest.skip(py)
     return py

@@ -37,7 +37,7 @@ TOL = 1e-4
 def _trainers_python() -> Path | str:
     # make test builds SkyRL's venv in the background (trainers-bg): its failure fails the test, not a skip; a machine
     # without what it needs (Python 3.12) gets the reason, which the test reports as SkyRL's skip.
-    return venv_python("SkyRL", "TRAINERS", "trainers")
+    return venv_python("SkyRL", "TITO_TRAINERS_BUILD", "TITO_TRAINERS_VENV", "trainers")
 
 
 class _Driver:

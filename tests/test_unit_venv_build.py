@@ -46,11 +46,12 @@ def test_a_machine_without_a_prerequisite_skips_saying_why(monkeypatch: pytest.M
     Path(f"{log}.rc").write_text("skip: SkyRL's client needs Python 3.12 (python3.12 not found)\n")
     monkeypatch.setenv("TITO_X_BUILD", str(log))
     monkeypatch.setenv("TITO_X_VENV", str(tmp_path / "venv-x"))
-    assert wait_for_build("TITO_X_BUILD", "X", timeout=0) == "SkyRL's client needs Python 3.12 (python3.12 not found)"
-    assert venv_python("X", "X", "x") == "SkyRL's client needs Python 3.12 (python3.12 not found)"
+    why = "SkyRL's client needs Python 3.12 (python3.12 not found)"
+    assert wait_for_build("TITO_X_BUILD", "X", timeout=0) == why
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == why
     Path(f"{log}.rc").write_text("0\n")
-    assert venv_python("X", "X", "x") == "X's venv is missing: make x (TITO_X_VENV)"
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == "X's venv is missing: make x (TITO_X_VENV)"
     (tmp_path / "venv-x" / "bin").mkdir(parents=True)
     (tmp_path / "venv-x" / "bin" / "python").write_text("")
     (tmp_path / "venv-x" / ".installed").write_text("")
-    assert venv_python("X", "X", "x") == tmp_path / "venv-x" / "bin" / "python"
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == tmp_path / "venv-x" / "bin" / "python"

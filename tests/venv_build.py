@@ -36,13 +36,13 @@ def wait_for_build(env_var: str, what: str, timeout: float = BUILD_TIMEOUT) -> s
     return None
 
 
-def venv_python(what: str, name: str, target: str, timeout: float = BUILD_TIMEOUT) -> Path | str:
-    """The Python of the client venv ``TITO_<name>_VENV`` (default ``~/.cache/tito/venv-<target>``) once its build
-    (``TITO_<name>_BUILD``) has ended, or why it cannot be had here (a string to skip with)."""
-    if (why := wait_for_build(f"TITO_{name}_BUILD", what, timeout)) is not None:
+def venv_python(what: str, build_var: str, venv_var: str, target: str, timeout: float = BUILD_TIMEOUT) -> Path | str:
+    """The Python of the client venv named by ``venv_var`` (default ``~/.cache/tito/venv-<target>``) once its build
+    (``build_var``) has ended, or why it cannot be had here (a string to skip with)."""
+    if (why := wait_for_build(build_var, what, timeout)) is not None:
         return why
-    venv = Path(os.environ.get(f"TITO_{name}_VENV") or Path.home() / ".cache" / "tito" / f"venv-{target}")
+    venv = Path(os.environ.get(venv_var) or Path.home() / ".cache" / "tito" / f"venv-{target}")
     py = venv / "bin" / "python"
     if (venv / ".installed").is_file() and py.is_file():
         return py
-    return f"{what}'s venv is missing: make {target} (TITO_{name}_VENV)"
+    return f"{what}'s venv is missing: make {target} ({venv_var})"

@@ -160,6 +160,8 @@ class PrimeRun:
     max_tokens: int = 32
     lr: float = 1e-3
     max_off_policy_steps: int | None = None
+    train_layers: int = 0  # the stand-in trainer's --train-layers (0: the whole model)
+    trainer_threads: int = 0  # its --threads (0: torch's default, one per core)
     timeout: float = 1800.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     run_dir: Path | None = None
@@ -233,7 +235,8 @@ class PrimeRun:
         envs = sorted((cfg / "envs" / "train").glob("*.json"))
         self._start("env-server", [py, "-m", "prime_rl.entrypoints.env_server", "@", str(envs[0])])
         self._start("trainer", [py, str(HERE / "trainer.py"), "@", str(cfg / "trainer.json"),
-                                "--model-dir", str(self.model_dir)])
+                                "--model-dir", str(self.model_dir), "--train-layers", str(self.train_layers),
+                                "--threads", str(self.trainer_threads)])
         self._start("orchestrator", [py, "-m", "prime_rl.entrypoints.orchestrator", "@",
                                      str(cfg / "orchestrator.json")])
 
