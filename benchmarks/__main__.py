@@ -20,6 +20,8 @@ COMMANDS = {
     "dynamo": ("dynamo_paths", "Dynamo's frontend and sidecar in front of tito against tito's own routes"),
     "transport": ("transport", "CPU per streamed message: grpc.aio, the native gRPC server, a bare socket"),
     "start": ("start", "seconds to healthy, cold and warm compile caches"),
+    "api_servers": ("api_servers", "several API processes (--api-server-count) against vLLM's server at the same "
+                    "count: tokens/s and the API side's CPU per request"),
     "soak": ("soak", "weight updates under many streams, every answer audited"),
 }
 

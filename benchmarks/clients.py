@@ -215,10 +215,16 @@ async def closed_loop(wl: Workload, send: Callable[[int, int], Awaitable[int]]) 
 
 async def raw_load(url: str, wl: Workload) -> dict[str, Any]:
     """The default load generator: one keep-alive connection per client over a bare asyncio protocol."""
+    return await raw_http_load(url, wl, GEN_PATH, _bodies(wl), lambda body: _count_tokens(body, wl.stream))
+
+
+async def raw_http_load(url: str, wl: Workload, path: str, bodies: list[bytes],
+                        count: Callable[[bytes], int]) -> dict[str, Any]:
+    """``bodies`` POSTed to ``path`` over one keep-alive connection per client (a bare asyncio protocol); ``count``
+    reads the tokens of an answer (raising on a bad one)."""
     host, _, port = url.removeprefix("http://").partition(":")
-    head = (f"POST {GEN_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             "Content-Length: ").encode()
-    bodies = _bodies(wl)
     loop = asyncio.get_running_loop()
     conns: list[_Conn | None] = [None] * wl.clients
 
@@ -239,7 +245,7 @@ async def raw_load(url: str, wl: Workload) -> dict[str, Any]:
             conns[c] = None
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
-        return _count_tokens(body, wl.stream)
+        return count(body)
 
     try:
         return await closed_loop(wl, send)

@@ -24,7 +24,10 @@ def _phase(state: AppState) -> str:
 
 def _state(request: Request) -> AppState | None:
     # Not the get_state dependency: the probes answer in their own shapes while the engine starts.
-    return getattr(request.app.state, "tito", None)
+    state: AppState | None = getattr(request.app.state, "tito", None)
+    if state is not None and state.peers is not None:
+        state.peers.refresh(state)  # an API process of several: the control process's latest word
+    return state
 
 
 def _starting(request: Request, body: dict[str, Any]) -> Response:

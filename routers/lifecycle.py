@@ -56,6 +56,7 @@ async def drain(request: Request, state: AppState = Depends(get_state)) -> Respo
     # Out of the fleet first (the child sidecar stops, the frontend stops routing here), then refuse.
     left = None if already or state.shutting_down else await state.leave_fleet("drain")
     state.start_drain()
+    await state.settled()  # with several API processes: none admits a request from here
     at_start = state.inflight
     if not already:
         log.info("draining: %d request(s) in flight, waiting up to %gs", at_start, req.timeout)

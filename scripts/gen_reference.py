@@ -55,8 +55,6 @@ def vllm_args_block() -> str:
                 use = f"refused at start: {REFUSED[a.dest]}"
             elif a.dest in tito:
                 use = "tito's flag of the same name (above)"
-            elif a.dest == "api_server_count":
-                use = "1 only: tito runs one API process"
             elif a.dest in HANDLER_OPTIONS:
                 use = "vLLM's OpenAI handlers"
             elif a.dest in SERVER_OPTIONS:

@@ -27,6 +27,9 @@ that uses it, one at a time, while the tests before it run (``SharedServers``); 
 - ``prime_tito``: started with the command line Prime-RL's own launcher builds (its defaults for a Qwen3 model:
   processed logprobs, hermes tool calls, an fp32 LM head), on the tiny *tied* model, served as ``Qwen/Qwen3-0.6B``:
   test_launchers.py, then test_prime_rl_writer.py (Prime-RL's trainer writer and admin client; updates its weights).
+- ``api2``: Prime-RL's launcher's command line for data parallel 2, from which its config derives
+  ``--api-server-count 2`` (two API processes and the control process: app/server/api_processes.py), on the tiny tied
+  model, with LoRA, gRPC and KV events added: test_dp.py, then test_api_servers.py, whose SIGTERM test ends it.
 
 A test that ends its server (SIGTERM, a killed engine) takes a shared one at the end of its life instead of starting
 its own: ``@pytest.mark.ends_server("<name>")`` runs it right after the last test using that server, and its
@@ -99,7 +102,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # (``-m "not engine"``) never starts an engine.
 ENGINE_FIXTURES = frozenset({"tito", "tito_url", "tiny_model", "long_tito", "lora_tito", "vllm_ref", "keyed_tito",
                              "fuzz_tito", "shared_servers", "ending_server", "sidecar_a", "sidecar_b", "grpc_a",
-                             "grpc_b", "reference", "prime_tito"})
+                             "grpc_b", "reference", "prime_tito", "api2"})
 
 
 def unmarked_engine_tests(items: list[pytest.Item]) -> list[str]:
@@ -395,7 +398,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # The shared servers' names (``SharedServers``): a test uses one through the fixture of that name.
 _BUILTIN = ("tito", "long_tito", "lora_tito", "keyed_tito", "fuzz_tito", "vllm_ref", "sidecar_a", "sidecar_b", "grpc_a",
-            "prime_tito")
+            "prime_tito", "api2")
 
 
 def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) \
@@ -496,6 +499,25 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
         server.launch_argv = argv  # type: ignore[attr-defined]
         return server.start(timeout=timeout)
 
+    def api2() -> ServerProcess:
+        from app.tiny.model import make_tiny_model
+        from tests.prime_rl_src import launcher_argv
+
+        model = make_tiny_model(tmp_path_factory.mktemp("tied-dp-model") / "tiny-tied", tied=True)
+        port, grpc_port = free_port(), free_port()
+        # Prime-RL's own arguments for dp = 2 (it sets --api-server-count 2 itself), then what the tests add: LoRA, gRPC
+        # and KV events (test_dp.py), a small KV cache per engine core, the weight root, and a drain long enough for
+        # the SIGTERM test's streams. VLLM_HOST_IP: the KV-event publishers' free ports on loopback.
+        argv = [*launcher_argv(port, model, data_parallel_size=2), "--enable-lora", "--max-lora-rank", "8",
+                "--grpc-port", str(grpc_port), "--kv-events-port", "0", "--num-kv-blocks", "64",
+                "--allowed-weight-root", str(tmp_path_factory.getbasetemp()), "--shutdown-timeout", "120"]
+        log = tmp_path_factory.mktemp("logs") / "api2.log"
+        server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, log,
+                               env=engine_env({"VLLM_HOST_IP": "127.0.0.1"}))
+        server.launch_argv = argv  # type: ignore[attr-defined]
+        server.grpc_port = grpc_port
+        return server.start(timeout=timeout)
+
     def vllm() -> ServerProcess:
         port = free_port()
         log = tmp_path_factory.mktemp("logs") / "vllm.log"
@@ -505,7 +527,7 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
                              env=engine_env({"VLLM_SERVER_DEV_MODE": "1"})).start(timeout=timeout)
 
     return {"tito": default, "long_tito": long, "lora_tito": lora, "keyed_tito": keyed, "fuzz_tito": fuzz,
-            "vllm_ref": vllm, "prime_tito": prime, "sidecar_a": sidecar_replica("sidecar-a", False),
+            "vllm_ref": vllm, "prime_tito": prime, "api2": api2, "sidecar_a": sidecar_replica("sidecar-a", False),
             "sidecar_b": sidecar_replica("sidecar-b", True),
             # KV events (SubscribeKvEvents; VLLM_HOST_IP: the publisher's free ports on loopback).
             # grpcio's server (the other servers serve gRPC on the default, pygrpc-native's): both kinds run the
@@ -540,6 +562,12 @@ def prime_tito(shared_servers: SharedServers) -> ServerProcess:
     an fp32 LM head) on the tiny tied model, as the seed's Qwen3-0.6B ties its head (test_launchers.py, then
     test_prime_rl_writer.py, which updates its weights)."""
     return shared_servers.get("prime_tito")
+
+
+@pytest.fixture(scope="module")
+def api2(shared_servers: SharedServers) -> ServerProcess:
+    """Prime-RL's launcher's command line for data parallel 2: two API processes (see the module docstring)."""
+    return shared_servers.get("api2")
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,16 @@ class FakeEngine(WorkerCalls):
     async def is_paused(self, *, ask_engine: bool = False) -> bool:
         return self.paused
 
+    @property
+    def paused_record(self) -> bool | None:
+        return self.paused
+
+    def assume_paused(self, paused: bool | None) -> None:
+        self.paused = bool(paused)
+
+    def mark_dead(self) -> None:
+        self.errored = True
+
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
         self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True

@@ -113,6 +113,7 @@ class ServerProcess:
         self.first_answers: Any = None
         self.fresh_answers: Any = None  # what a shared server answered before any test (tests/conftest.py)
         self.grpc_port: int | None = None  # a tito server's --grpc-port, when it has one
+        self.launched_at = 0.0  # time.monotonic() at the launch
 
     def start(self, timeout: float = 240.0, on_answer: Callable[[ServerProcess], Any] | None = None) -> ServerProcess:
         """Start and wait until the health path answers 200. ``on_answer`` is called once, at the port's first
@@ -121,7 +122,7 @@ class ServerProcess:
         if ServerProcess.engine_allowed is False and not ahead:
             raise RuntimeError(f"a test not marked engine (pytest.mark.engine) started a server: {self.cmd[:4]}")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        t0 = time.monotonic()
+        t0 = self.launched_at = time.monotonic()
         # Started by the test itself (not through SharedServers, which counts its own waits): the test waits for all of
         # it.
         waited_here = threading.current_thread() is threading.main_thread()

@@ -53,19 +53,35 @@ PRIME_MODEL = "Qwen/Qwen3-0.6B"  # the name Prime-RL's launcher resolves its par
 PRIME_CONTEXT = 512
 
 
-def launcher_argv(port: int, model_dir: Path) -> list[str]:
+def launcher_argv(port: int, model_dir: Path, **vllm: object) -> list[str]:
     """The `vllm serve` command line Prime-RL's launcher builds for a Qwen3 model at its defaults
     (``InferenceConfig.to_namespace()``, written by tito's ``namespace_argv``), with only this machine's values set:
     dtype, context and memory share in Prime-RL's own config, and the model served from ``model_dir`` under the name
-    Prime-RL asked for (no model hub here)."""
+    Prime-RL asked for (no model hub here). ``vllm``: more of Prime-RL's ``[inference.vllm]`` settings (e.g.
+    ``data_parallel_size=2``, from which its config derives the rest, ``api_server_count`` included)."""
     from app.engine.vllm_args import namespace_argv
 
     use_prime_rl()
     from prime_rl.configs.inference import InferenceConfig
 
     machine = {"dtype": "float32", "max_model_len": PRIME_CONTEXT, "gpu_memory_utilization": 0.3}
-    config = InferenceConfig(server={"port": port}, vllm={"model": PRIME_MODEL, **machine})
+    config = InferenceConfig(server={"port": port}, vllm={"model": PRIME_MODEL, **machine, **vllm})
     argv = namespace_argv(vars(config.to_namespace()))
     at = argv.index("--model")
     argv[at + 1:at + 2] = [str(model_dir), "--served-model-name", PRIME_MODEL]
     return argv
+
+
+async def prime_rl_update(url: str, step_dir: Path, step: int) -> None:
+    """Prime-RL's orchestrator's call for a full-model step: ``update_weights`` (pause with keep, ``/update_weights``,
+    resume) on its admin clients for ``url``."""
+    use_prime_rl()
+    from prime_rl.configs.shared import ClientConfig
+    from prime_rl.utils.client import setup_admin_clients, update_weights
+
+    clients = setup_admin_clients(ClientConfig(base_url=f"{url}/v1"))
+    try:
+        await update_weights(clients, step_dir, step=step)
+    finally:
+        for c in clients:
+            await c.aclose()

@@ -1,4 +1,5 @@
-"""Data parallel: ``--data-parallel-size 2`` runs two EngineCores behind one server; ``X-data-parallel-rank`` pins a
+"""Data parallel: ``--data-parallel-size 2`` runs two EngineCores behind one server (the shared ``api2``: Prime-RL's
+launcher's command line for dp = 2, so two API processes too, tests/conftest.py); ``X-data-parallel-rank`` pins a
 request to one of them (checked in each engine's own ``vllm:request_success_total``); a bad rank is a 400. Over
 gRPC, ``vllm.Control`` describes both cores (what Dynamo's sidecar reads: a KV-event source per rank, the world size
 per data-parallel engine) and ``x-data-parallel-rank`` metadata pins ``vllm.Inference`` requests the same way."""
@@ -6,14 +7,12 @@ per data-parallel engine) and ``x-data-parallel-rank`` metadata pins ``vllm.Infe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import SharedServers, module_server, start_timeout, start_tito
-from tests.helpers import ServerProcess, free_port, metric_value
+from tests.helpers import ServerProcess, metric_value
 from tests.sweep import fire, shapes
 
 pytestmark = pytest.mark.engine
@@ -22,17 +21,9 @@ GEN = "/inference/v1/generate"
 BODY = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 6, "temperature": 0}}
 
 
-@module_server("dp2")
-def start_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> ServerProcess:
-    # Two engine cores (and a DP coordinator) start: twice the usual time on a busy machine.
-    return start_tito(tmp_path_factory, tiny_model, "--data-parallel-size", "2", "--grpc-port", str(free_port()),
-                      "--kv-events-port", "0", env={"VLLM_HOST_IP": "127.0.0.1"}, name="dp2",
-                      timeout=start_timeout(2.5))
-
-
 @pytest.fixture(scope="module")
-def server(shared_servers: SharedServers) -> ServerProcess:
-    return shared_servers.get("dp2")
+def server(api2: ServerProcess) -> ServerProcess:
+    return api2
 
 
 @pytest.fixture

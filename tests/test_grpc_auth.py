@@ -32,6 +32,9 @@ class StandInState:
     def admit(self) -> None:
         raise ApiError(503, "server is draining; send the request to another replica.")
 
+    def changed(self) -> None:
+        """What a control call ends with (one API process: nothing to publish)."""
+
 
 @pytest.fixture
 async def served(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StandInState, grpc.aio.Channel]]:

@@ -10,14 +10,14 @@ import pytest
 pytestmark = pytest.mark.engine
 
 # tito's sections, and vLLM's own keys beside them (what clients reading a vLLM server's /server_info parse).
-SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "dynamo", "routes", "vllm_config",
-            "vllm_env", "vllm_args"}
+SECTIONS = {"schema_version", "server", "model", "parallelism", "features", "state", "api_processes", "dynamo",
+            "routes", "vllm_config", "vllm_env", "vllm_args"}
 KEYS = {
     "server": {"name", "version", "vllm_version", "pid", "host", "port", "started_at", "started_at_unix", "uptime_s"},
     "model": {"served_model_name", "path", "dtype", "max_model_len", "vocab_size", "max_num_seqs", "max_logprobs",
               "has_tokenizer", "tokenizer_loaded", "logprobs_mode", "head_dtype"},
     "parallelism": {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "world_size",
-                    "data_parallel_rank_start", "data_parallel_rank_end"},
+                    "data_parallel_rank_start", "data_parallel_rank_end", "api_server_count"},
     "features": {"lora", "max_loras", "max_lora_rank", "prompt_logprobs", "min_tokens", "routed_experts",
                  "prefix_caching", "priority_scheduling", "tool_call_parser", "auto_tool_choice", "reasoning_parser"},
     "state": {"engine", "engine_error", "ready", "not_ready_reason", "draining", "shutting_down", "paused",
@@ -67,7 +67,8 @@ def test_server_info_schema_and_values(client, tito):
     assert 0 < srv["started_at_unix"] <= time.time() and srv["uptime_s"] >= 0
     assert model["max_model_len"] == 512 and model["vocab_size"] == 512 and model["dtype"] == "float32"
     assert par == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
-                   "world_size": 1, "data_parallel_rank_start": 0, "data_parallel_rank_end": 1}
+                   "world_size": 1, "data_parallel_rank_start": 0, "data_parallel_rank_end": 1, "api_server_count": 1}
+    assert info["api_processes"] is None  # one process: none listed
     assert info["features"]["lora"] is False and info["features"]["routed_experts"] is False
     assert st["engine"] == "alive" and st["engine_error"] is None
     assert st["ready"] is True and st["not_ready_reason"] is None

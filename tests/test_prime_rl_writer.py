@@ -35,7 +35,7 @@ from safetensors import safe_open
 from app.tiny.model import TINY_CONFIG, make_tiny_model
 from tests.conftest import module_server, start_timeout
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port, metric_value, restore_server
-from tests.prime_rl_src import launcher_argv, use_prime_rl
+from tests.prime_rl_src import launcher_argv, prime_rl_update, use_prime_rl
 from tests.rl_steps import GEN, PROMPTS, greedy, reference_greedy
 from tests.streaming import family, wait_gone
 
@@ -152,18 +152,7 @@ def reference(step_dir: Path, config: dict, out: Path) -> list[list[int]]:
 
 def apply_with_prime_rl(url: str, step_dir: Path, step: int) -> None:
     """Prime-RL's orchestrator's call for a full-model step: ``update_weights`` on its admin clients."""
-    from prime_rl.configs.shared import ClientConfig
-    from prime_rl.utils.client import setup_admin_clients, update_weights
-
-    async def run() -> None:
-        clients = setup_admin_clients(ClientConfig(base_url=f"{url}/v1"))
-        try:
-            await update_weights(clients, step_dir, step=step)
-        finally:
-            for c in clients:
-                await c.aclose()
-
-    asyncio.run(run())
+    asyncio.run(prime_rl_update(url, step_dir, step))
 
 
 def model_of(server: ServerProcess) -> Path:

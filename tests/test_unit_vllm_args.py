@@ -56,7 +56,7 @@ def test_every_vllm_argument_goes_somewhere() -> None:
     engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     tito = {f.name for f in FLAGS}
     unplaced = [d for d in vllm_defaults()
-                if d not in engine | tito | HANDLER_OPTIONS | SERVER_OPTIONS | set(REFUSED) | {"api_server_count"}]
+                if d not in engine | tito | HANDLER_OPTIONS | SERVER_OPTIONS | set(REFUSED)]
     assert not unplaced, f"vLLM arguments tito neither passes on, serves nor refuses: {unplaced}"
     assert set(REFUSED_ARGV) == set(REFUSED)
 
@@ -70,7 +70,7 @@ def test_refused_argument_exits_2_naming_it(name: str, model_dir: Path, capsys: 
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--api-server-count", "2"], "--api-server-count 2 is not supported by tito"),
+    (["--api-server-count", "0"], "--api-server-count 0 is not supported by tito: tito is an API server"),
     (["--worker-extension-cls", "my.ext.Extension"], "--worker-extension-cls my.ext.Extension is not supported"),
     (["--num-kv-blocks", "8", "--num-gpu-blocks-override", "8"], "--num-kv-blocks is a shorthand for part of"),
     (["--kv-events-port", "5557", "--kv-events-config", '{"enable_kv_cache_events": true}'], "give one of them"),

@@ -30,6 +30,7 @@ from app.core.protocol import (
 )
 from app.core.settings import Settings
 from app.engine.adapter import Engine
+from app.server.api_processes import ApiPeers, ControlPeers
 from app.server.security import install_security
 from app.server.state import AppState
 from app.weights.delta_check import stop_process as stop_staging_process
@@ -50,6 +51,7 @@ async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) ->
         await asyncio.sleep(interval)
     cause = state.engine_death_cause()
     state.ready = False
+    state.changed()  # with several API processes: theirs end too, and they answer 503 from now
     if state.sidecar is not None and state.sidecar.wanted:
         # Out of discovery before anything else: nothing behind this worker any more.
         log.warning("engine stopped (%s): leaving the fleet", cause)
@@ -86,10 +88,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     owns_engine = engine is None
     starter: asyncio.Future[AppState] | None = None
     watcher: asyncio.Future[None] | None = None
+    peers = app.state.peers
+    if isinstance(peers, ApiPeers):
+        # An API process of several: the control process watches the engine; this one follows the board.
+        watcher = asyncio.ensure_future(peers.watch(app))
 
     def watch(task: asyncio.Future[AppState]) -> None:
         nonlocal watcher
-        if not task.cancelled() and task.exception() is None:
+        if not task.cancelled() and task.exception() is None and not isinstance(peers, ApiPeers):
             watcher = asyncio.ensure_future(_watch_engine(app, task.result()))
 
     sidecar = app.state.sidecar
@@ -123,6 +129,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state is not None and state.inflight and not state.engine.errored:
             log.info("shutting down: aborting %d request(s) still in flight", state.inflight)
             await state.abort()
+        if isinstance(peers, ControlPeers):
+            await peers.stop()  # the API processes go before the engine, as vLLM's own server stops them
         if owns_engine and build is not None and build.done() and not build.cancelled() \
                 and build.exception() is None:
             build.result().shutdown()
@@ -193,6 +201,8 @@ class TitoApp(FastAPI):
     request: the route is then served through the stack, by the same code (``routers.generate.serve_generate``)."""
 
     lean: ASGIApp | None = None  # routers.generate_lean.Lean while no middleware was added after create_app
+    # With several API processes (app/server/api_processes.py): this process's part, which routes each request.
+    peers: ControlPeers | ApiPeers | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
@@ -200,6 +210,16 @@ class TitoApp(FastAPI):
                 and scope["method"] == "POST" and not scope.get("root_path"):
             await lean(scope, receive, send)
             return
+        peers = self.peers
+        if peers is not None and scope["type"] == "http":
+            if isinstance(peers, ControlPeers):
+                await peers.route(scope, receive, send, self._stack)
+                return
+            if await peers.route(scope, receive, send, self):
+                return  # the control process's (forwarded), or its internal call
+        await super().__call__(scope, receive, send)
+
+    async def _stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
 
     def add_middleware(self, middleware_class: Any, *args: Any, **kwargs: Any) -> None:
@@ -210,9 +230,11 @@ class TitoApp(FastAPI):
         super().add_middleware(middleware_class, *args, **kwargs)
 
 
-def create_app(settings: Settings | None = None, *, engine: Engine | None = None, lean: bool = True) -> TitoApp:
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None, lean: bool = True,
+               peers: ControlPeers | ApiPeers | None = None) -> TitoApp:
     """Build the app. ``engine`` injects an already-built engine (tests); otherwise the lifespan starts one.
-    ``lean=False`` serves the generate route through the middleware stack too (tests hold both to the same bytes)."""
+    ``lean=False`` serves the generate route through the middleware stack too (tests hold both to the same bytes).
+    ``peers``: this process's part of a server of several API processes (app/server/api_processes.py)."""
     from routers import ALL
     from routers.generate_lean import Lean
 
@@ -224,9 +246,12 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.settings = settings
     app.state.engine_override = engine
     app.state.stop_signalled = False  # set by the server's signal handler (app/server/lifecycle.py)
-    app.state.services = _services(settings)
+    app.state.peers = app.peers = peers
+    api_process = isinstance(peers, ApiPeers)
+    # gRPC and Dynamo's sidecar are the control process's: one server to them.
+    app.state.services = [] if api_process else _services(settings)
     app.state.sidecar = None
-    if settings.dynamo_namespace:
+    if settings.dynamo_namespace and not api_process:
         from app.dynamo.supervisor import SidecarSupervisor
 
         app.state.sidecar = SidecarSupervisor(settings)  # Dynamo's vLLM sidecar, as a supervised child

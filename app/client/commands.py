@@ -202,13 +202,29 @@ def format_status(info: dict[str, Any]) -> str:
         ("in flight", st.get("inflight")),
         ("adapters", ", ".join(str(n) for n in names) if names else "none"),
         ("max model len", _first(info, "model.max_model_len")),
-        ("parallelism", f"dp={par.get('data_parallel_size')} tp={par.get('tensor_parallel_size')}" if par else None),
+        ("parallelism", f"dp={par.get('data_parallel_size')} tp={par.get('tensor_parallel_size')}"
+         + (f" api={par['api_server_count']}" if (par.get("api_server_count") or 1) > 1 else "") if par else None),
+        ("processes", _processes(info.get("api_processes"))),
         ("versions", " ".join(f"{k} {v}" for k, v in (("tito", _first(info, "server.version")),
                                                       ("vLLM", _first(info, "server.vllm_version"))) if v)),
         ("uptime", f"{_first(info, 'server.uptime_s'):.0f}s" if _first(info, "server.uptime_s") is not None else None),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows if v not in (None, ""))
+    indent = "\n" + " " * (width + 2)  # a value of several lines (the processes) keeps its column
+    return "\n".join(f"{k:<{width}}  {str(v).replace(chr(10), indent)}" for k, v in rows if v not in (None, ""))
+
+
+def _processes(rows: Any) -> str | None:
+    """``--api-server-count`` > 1: each process, one per line (``/server_info``'s ``api_processes``)."""
+    if not rows:
+        return None
+    lines = []
+    for r in rows:
+        name = f"api {r.get('index')}" if r.get("role") == "api" else str(r.get("role"))
+        health = "" if r.get("alive", True) else " (gone)"
+        lines.append(f"{name} pid {r.get('pid')}{health}: {r.get('inflight', 0)} in flight, "
+                     f"{r.get('admitted', 0)} admitted, {r.get('forwarded', 0)} control calls forwarded")
+    return "\n".join(lines)
 
 
 def cmd_status(ns: argparse.Namespace) -> int:

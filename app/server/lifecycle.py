@@ -13,11 +13,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import ssl
 import sys
 import threading
 import time
 import traceback
+from collections.abc import MutableSequence
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -110,6 +112,7 @@ async def drain_for_shutdown(state: AppState, timeout: float, immediate: asyncio
     abort the rest and give them a moment to answer with their partial tokens."""
     t0 = time.monotonic()
     state.begin_shutdown()
+    await state.settled()  # with several API processes: none admits a request from here
     n0 = state.inflight
     if n0 and not immediate.is_set():
         log.info("shutting down: draining %d in-flight request(s) for up to %.0fs (signal again to abort them now)",
@@ -172,10 +175,38 @@ class _SkipPaths(logging.Filter):
         return not (len(args) > 2 and str(args[2]).split("?", 1)[0] in self.paths)
 
 
-def serve(app: FastAPI, settings: Settings) -> int:
+def serve(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None = None, tls: bool = True) -> int:
     """Run the app until it is told to stop; returns the process exit code. vLLM's HTTP-server arguments (TLS, root
-    path, h11 limits, uvicorn's log level and access log) apply as on ``vllm serve``."""
-    v = settings.vllm_args
+    path, h11 limits, uvicorn's log level and access log) apply as on ``vllm serve``. ``sockets``: listening
+    sockets bound already (``tito serve`` binds its port before it imports vLLM); default: bind host and port.
+    ``tls=False``: plain HTTP whatever the TLS arguments (the control process's private socket)."""
+    server = TitoServer(_config(app, settings, tls), app)
+    server.run(sockets=sockets)
+    if not server.started:
+        return 3  # the lifespan failed (engine did not start); uvicorn has logged why
+    return server.exit_code
+
+
+def serve_api_process(app: FastAPI, settings: Settings, sockets: list[socket.socket], loads: MutableSequence[int],
+                      index: int) -> int:
+    """One API process of several (app/server/api_processes.py): vLLM's server that accepts each connection in the
+    least loaded process, with no signal handlers of its own (the control process stops it: ``request_exit``)."""
+    from app.engine.api_servers import balanced_server
+
+    server = balanced_server(_config(app, settings), loads, index)
+    code = [0]
+
+    def request_exit(exit_code: int) -> None:
+        code[0] = exit_code
+        server.should_exit = True
+
+    app.state.request_exit = app.state.peers.exit = request_exit
+    server.run(sockets=sockets)
+    return code[0] if server.started else 3
+
+
+def _config(app: FastAPI, settings: Settings, tls: bool = True) -> uvicorn.Config:
+    v = settings.vllm_args if tls else {k: a for k, a in settings.vllm_args.items() if not k.startswith("ssl_")}
     endpoints = [p for p in (v.get("disable_access_log_for_endpoints") or "").split(",") if p]
     config = uvicorn.Config(
         app,
@@ -201,8 +232,4 @@ def serve(app: FastAPI, settings: Settings) -> int:
     )
     if endpoints:
         logging.getLogger("uvicorn.access").addFilter(_SkipPaths(endpoints))
-    server = TitoServer(config, app)
-    server.run()
-    if not server.started:
-        return 3  # the lifespan failed (engine did not start); uvicorn has logged why
-    return server.exit_code
+    return config

@@ -81,6 +81,8 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             # Ranks this server answers for (X-data-parallel-rank): [start, start + size).
             "data_parallel_rank_start": 0,
             "data_parallel_rank_end": f.data_parallel_size,
+            # Processes serving the port (--api-server-count), each an engine client, with one control plane.
+            "api_server_count": len(state.peers.info()) - 1 if state.peers is not None else 1,
         },
         "features": {
             "lora": f.enable_lora,
@@ -122,6 +124,9 @@ async def server_info_body(state: AppState, routes: dict[str, Any] | None) -> di
             "loaded_adapters": [{"name": e.name, "path": e.path, "int_id": e.int_id, "loaded_at": e.loaded_at}
                                 for e in state.loras.values()],
         },
+        # With several API processes: each of them, then the control process (which answers this), with their
+        # counts: requests in flight, finished, admitted; control calls forwarded; the board they last applied.
+        "api_processes": state.peers.info() if state.peers is not None else None,
         # The child Dynamo sidecar (--dynamo-namespace): running | restarting | stopping | stopped | failed | waiting.
         "dynamo": state.sidecar.info() if state.sidecar is not None else None,
         "routes": routes,

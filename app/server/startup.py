@@ -13,16 +13,20 @@ to ``app.state.services`` (see ``Service``); ``start_services`` / ``stop_service
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from app import __version__
 from app.core import metrics
 from app.engine.adapter import Engine
 from app.engine.sampling import configured_limits
+from app.server.api_processes import ApiPeers, ControlPeers
+from app.server.board import UP
 from app.server.state import AppState
 from app.weights.record import WeightRecord, resolve_state_dir
 from app.weights.restore import restore
@@ -97,9 +101,16 @@ async def stop_services(app: FastAPI) -> None:
 async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     """Everything after the engine exists: the state, warm-up, other services; publish the state (ready)."""
     settings: Settings = app.state.settings
+    peers = getattr(app.state, "peers", None)
+    if isinstance(peers, ApiPeers):
+        return await _bring_up_api_process(app, engine, peers)
     state = AppState(settings=settings, engine=engine)
-    # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
-    state.engine_processes = multiprocessing.active_children()
+    if isinstance(peers, ControlPeers):
+        state.join(peers)
+        state.engine_processes = peers.plan.engine_processes()
+    else:
+        # The engine's processes (EngineCore per DP rank, DP coordinator), to name the one that died and how.
+        state.engine_processes = multiprocessing.active_children()
     state.limits = configured_limits(state.limits, settings)
     app.state.starting_state = state  # for the lifespan's shutdown, should it come before the start ends
     state.sidecar = getattr(app.state, "sidecar", None)
@@ -122,8 +133,35 @@ async def bring_up(app: FastAPI, engine: Engine) -> AppState:
     gc.freeze()
     state.ready = True
     app.state.tito = state
-    log.info("tito %s serving %s on http://%s:%d", __version__, state.facts.name, settings.host, settings.port)
+    if isinstance(peers, ControlPeers):
+        peers.start(state, lambda what: _api_process_died(app, state, what))  # the API processes serve from now
+    log.info("tito %s serving %s on http://%s:%d%s", __version__, state.facts.name, settings.host, settings.port,
+             f" ({len(peers.processes)} API processes)" if isinstance(peers, ControlPeers) else "")
     return state
+
+
+async def _bring_up_api_process(app: FastAPI, engine: Engine, peers: ApiPeers) -> AppState:
+    """An API process of several: its own state, mirroring the control process's server-wide part; it serves once
+    the board says the server is ready (``ApiPeers.watch``)."""
+    state = AppState(settings=app.state.settings, engine=engine, api_process=True)
+    state.limits = configured_limits(state.limits, app.state.settings)
+    state.join(peers)
+    peers.refresh(state)
+    app.state.starting_state = state
+    await start_services(app, state)
+    gc.collect()
+    gc.freeze()
+    peers.slots.set(peers.slot, UP, 1)
+    return state
+
+
+def _api_process_died(app: FastAPI, state: AppState, what: str) -> None:
+    """One API process of several is gone: the server stops whole (its supervisor restarts it), never half."""
+    log.error("%s: stopping the server (exit code 1)", what)
+    state.begin_shutdown()  # the others refuse new work at once
+    request_exit = getattr(app.state, "request_exit", None)
+    if request_exit is not None:
+        request_exit(1)
 
 
 async def start_engine(app: FastAPI) -> AppState:
@@ -132,7 +170,12 @@ async def start_engine(app: FastAPI) -> AppState:
     A failure is logged with its cause and ends the process with ``START_FAILED``."""
     settings: Settings = app.state.settings
     t0 = time.monotonic()
-    building = app.state.engine_build = asyncio.ensure_future(asyncio.to_thread(Engine.start, settings))
+    try:
+        build = await _builder(app)
+    except BaseException as e:
+        _fail(app, f"engine failed to start after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", e)
+        raise
+    building = app.state.engine_build = asyncio.ensure_future(asyncio.to_thread(build))
     try:
         await _say_progress(building, settings, t0)
         engine = await asyncio.shield(building)
@@ -146,6 +189,20 @@ async def start_engine(app: FastAPI) -> AppState:
     except BaseException as e:
         _fail(app, f"engine start-up failed: {type(e).__name__}: {e}", e)
         raise
+
+
+async def _builder(app: FastAPI) -> Callable[[], Engine]:
+    """How this process gets its engine: it starts it (one process), starts it for the API processes too (their
+    control process), or, in an API process, connects to it once the control process has started it."""
+    settings: Settings = app.state.settings
+    peers = getattr(app.state, "peers", None)
+    if isinstance(peers, ControlPeers):
+        return functools.partial(Engine.start_control, settings, peers.plan,
+                                 lambda address: peers.publish(launched=address), peers.processes)
+    if isinstance(peers, ApiPeers):
+        address = await peers.launched()
+        return functools.partial(Engine.start, settings, peers.plan.client(peers.index, address))
+    return functools.partial(Engine.start, settings)
 
 
 async def _say_progress(building: asyncio.Future[Engine], settings: Settings, t0: float) -> None:
@@ -165,6 +222,9 @@ def _fail(app: FastAPI, message: str, exc: BaseException) -> None:
         return  # a shutdown during the start: not a failure
     log.error("%s", message, exc_info=exc)
     app.state.start_error = message
+    peers = getattr(app.state, "peers", None)
+    if isinstance(peers, ControlPeers):
+        peers.publish(start_error=message)
     request_exit = getattr(app.state, "request_exit", None)
     if request_exit is not None:
         log.error("exiting with code %d", START_FAILED)

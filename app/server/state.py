@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -44,18 +45,59 @@ CLIENT_PREFIXES = (GENERATE_PREFIX, "cmpl-", "chatcmpl-")
 log = logging.getLogger("tito")
 
 
+class Peers(Protocol):
+    """The other processes of this server, with ``--api-server-count`` N > 1 (app/server/api_processes.py); None when
+    this process is the whole server. The control process's peers are the N API processes; an API process's, the
+    control process (through the shared board) and the other API processes (through its slots)."""
+
+    slots: Any  # the shared per-process counters (app/server/board.py), written at every enter and leave
+    slot: int  # this process's row
+
+    def refresh(self, state: AppState) -> None:
+        """An API process: apply the server-wide state published since it last looked (a no-op otherwise)."""
+
+    def changed(self, state: AppState) -> None:
+        """The control process: publish the server-wide state if it changed (a no-op otherwise)."""
+
+    async def settle(self) -> None:
+        """The control process: return once every API process has applied the state just published."""
+
+    async def abort(self, ids: list[str] | None) -> int:
+        """The control process: abort the API processes' requests named by ``ids`` (all: None); how many."""
+
+    def info(self) -> list[dict[str, Any]]:
+        """The control process: each process (API processes, then itself) with its counts."""
+
+
 @dataclass
 class AppState:
+    """What a server process knows. With one API process (the default) all of it lives here; with N > 1, each API
+    process has its own and the control process holds the server-wide part, which the API processes mirror from the
+    board it publishes (``app/server/api_processes.py``; ``SERVER_WIDE`` below lists it, ``PER_PROCESS`` the rest).
+    Routes read both parts the same way."""
+
     settings: Settings
-    engine: Engine
+    engine: Engine  # this process's client of the engine cores
+    # --- server-wide (the control process's; mirrored by API processes)
     started_at: float = field(default_factory=time.time)
     # Admission: draining/shutting-down refuse new generate requests; in-flight is counted for drain.
     draining: bool = False
     shutting_down: bool = False
     ready: bool = False
-    inflight: int = 0
     # {"time": epoch seconds, "cause": str} once the engine is found dead.
     engine_failure: dict[str, Any] | None = None
+    drain_started_at: float | None = None
+    # The child Dynamo sidecar's supervisor (``--dynamo-namespace``; app/dynamo/supervisor.py), and whether the replica
+    # is leaving the fleet right now (the sidecar stopping, before tito refuses work).
+    sidecar: FleetMembership | None = None
+    leaving: bool = False
+    # --- per process
+    # An API process of several (``--api-server-count``): its routes that change the server go to the control process.
+    api_process: bool = False
+    peers: Peers | None = None
+    local: int = 0  # requests in flight in this process (``inflight``: on the whole server)
+    finished: int = 0  # requests this process finished, ever
+    _drain_mark: int = 0  # requests the server had finished when the drain began
     # The engine's child processes (EngineCore per DP rank, DP coordinator), to say which one died and how.
     engine_processes: list[BaseProcess] = field(default_factory=list)
     # In-flight requests: unique engine request id → the id the client sees ("generate-tokens-<client id>"), and
@@ -64,15 +106,12 @@ class AppState:
     live: dict[str, str] = field(default_factory=dict)
     by_client: dict[str, set[str]] = field(default_factory=dict)
     _seq: int = 0
-    drain_started_at: float | None = None
-    # The child Dynamo sidecar's supervisor (``--dynamo-namespace``; app/dynamo/supervisor.py), and whether the replica
-    # is leaving the fleet right now (the sidecar stopping, before tito refuses work).
-    sidecar: FleetMembership | None = None
-    leaving: bool = False
-    finished_since_drain: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _openai: Any = None  # vLLM's OpenAI layer over the engine, built on first use (openai_layer)
     _openai_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _restore_error: str | None = None  # an API process: the control process's (``restore_error``)
+    _slots: Any = None  # ``peers.slots``, and this process's first column in it
+    _base: int = 0
 
     def __post_init__(self) -> None:
         f = self.engine.facts
@@ -94,11 +133,22 @@ class AppState:
                                     inflight=lambda: self.inflight)
         # Pause/resume/update transitions: one at a time, in arrival order (app/server/control.py).
         self.control = ControlPlane(self.engine, self.weights, inflight=lambda: self.inflight)
+        if self.api_process:
+            return  # staging and AReaL's sync are the control process's alone (their routes are forwarded there)
         # Staged versions (Prime-RL's stage/commit): a commit is an update, in the control plane's order.
         self.staging = StagingManager(self.engine, self.settings, self.weights, self.control.guard)
         # AReaL's weight sync (xccl group, announced tensors, LoRA versions): app/weights/areal.py.
         self.areal = ArealSync(self.engine, self.weights, self.adapters, self.control.guard,
                                check_engine=self.check_engine)
+
+    def join(self, peers: Peers) -> None:
+        """Become one process of several: in-flight counts go to the shared slots, the state to and from the board."""
+        from app.server.board import COLUMNS, PID
+
+        self.peers = peers
+        self._slots, self._base = peers.slots.slots, peers.slot * COLUMNS
+        peers.slots.set(peers.slot, PID, os.getpid())
+        self._drain_mark = self.total_finished()
 
     @property
     def weight_version(self) -> str:
@@ -158,6 +208,8 @@ class AppState:
 
     def admit(self) -> None:
         """Gate for new generate requests: raises 503 when the server will not take new work."""
+        if self.peers is not None:
+            self.peers.refresh(self)  # an API process: the control process's latest word first
         self.check_engine()
         if self.shutting_down:
             raise ApiError(503, "server is shutting down; send the request to another replica.",
@@ -175,7 +227,7 @@ class AppState:
     def restore_error(self) -> str | None:
         """Why the weights this replica last committed could not be restored at start (app/weights/restore.py)."""
         rec = self.weights.recorder
-        return rec.restore_error if rec is not None else None
+        return rec.restore_error if rec is not None else self._restore_error
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -205,12 +257,16 @@ class AppState:
         engine_id = f"{engine_base or request_id}-{self._seq:x}"
         self.live[engine_id] = request_id
         self.by_client.setdefault(request_id, set()).add(engine_id)
-        self.inflight += 1
+        self.local += 1
         self._idle.clear()
+        if self._slots is not None:  # the other processes count it too (column order: app/server/board.py)
+            self._slots[self._base] = self.local
+            self._slots[self._base + 2] += 1
         return engine_id
 
     def leave(self, engine_id: str) -> None:
-        self.inflight -= 1
+        self.local -= 1
+        self.finished += 1
         client_id = self.live.pop(engine_id, None)
         if client_id is not None:
             ids = self.by_client.get(client_id)
@@ -218,20 +274,49 @@ class AppState:
                 ids.discard(engine_id)
                 if not ids:
                     del self.by_client[client_id]
-        if self.draining or self.shutting_down:
-            self.finished_since_drain += 1
-        if self.inflight == 0:
+        if self._slots is not None:
+            self._slots[self._base] = self.local
+            self._slots[self._base + 1] = self.finished
+        if self.local == 0:
             self._idle.set()
 
+    @property
+    def inflight(self) -> int:
+        """Requests in flight on the whole server (this process's: ``local``)."""
+        if self._slots is None:
+            return self.local
+        from app.server.board import INFLIGHT
+
+        return self.peers.slots.total(INFLIGHT) if self.peers is not None else self.local
+
+    def total_finished(self) -> int:
+        if self.peers is None:
+            return self.finished
+        from app.server.board import FINISHED
+
+        return self.peers.slots.total(FINISHED)
+
+    @property
+    def finished_since_drain(self) -> int:
+        """Requests the server finished since the drain (or the shutdown) began."""
+        return self.total_finished() - self._drain_mark
+
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no request is in flight; True if reached within ``timeout`` seconds."""
+        """Wait until no request is in flight on the server; True if reached within ``timeout`` seconds."""
         if self.inflight == 0:
             return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
-            return True
-        except TimeoutError:
-            return False
+        if self.peers is None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
+                return True
+            except TimeoutError:
+                return False
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self.inflight:  # the API processes' counts are in shared memory: look again every 10 ms
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        return True
 
     def resolve_ids(self, ids: list[str]) -> list[str]:
         """Engine ids of the in-flight requests named by ``ids``: a client id or the ``generate-tokens-`` id names
@@ -251,11 +336,22 @@ class AppState:
         Aborted requests still answer: partial tokens with ``finish_reason: "abort"``.
         """
         targets = list(self.live) if ids is None else self.resolve_ids(ids)
-        if not targets:
-            return 0
-        if not self.engine.errored:
+        if targets and not self.engine.errored:
             await self.engine.abort(targets)
+        if self.peers is not None:
+            return len(targets) + await self.peers.abort(ids)
         return len(targets)
+
+    def changed(self) -> None:
+        """The server-wide state may have changed: with several API processes, publish it to them."""
+        if self.peers is not None:
+            self.peers.changed(self)
+
+    async def settled(self) -> None:
+        """With several API processes, return once each has applied the state published last (then none admits a
+        request the new state refuses)."""
+        if self.peers is not None:
+            await self.peers.settle()
 
     # ------------------------------------------------------------------ drain
 
@@ -265,10 +361,12 @@ class AppState:
         if self.sidecar is None:
             return None
         self.leaving = True
+        self.changed()
         try:
             return await self.sidecar.withdraw(reason)
         finally:
             self.leaving = False
+            self.changed()
 
     def rejoin_fleet(self) -> None:
         if self.sidecar is not None:
@@ -278,23 +376,26 @@ class AppState:
         if not self.draining:
             self.draining = True
             self.drain_started_at = time.time()
-            self.finished_since_drain = 0
+            self._drain_mark = self.total_finished()
             DRAINING.set(1)
+            self.changed()
 
     def stop_drain(self) -> None:
         self.draining = False
         self.drain_started_at = None
         DRAINING.set(0)
+        self.changed()
 
     def begin_shutdown(self) -> None:
         """SIGTERM: refuse new work from now on (not reversible); count what still finishes."""
         if not self.shutting_down:
             if not self.draining:
-                self.finished_since_drain = 0
+                self._drain_mark = self.total_finished()
             self.shutting_down = True
             self.ready = False
             DRAINING.set(1)
             self.control.end_lease()  # no resume of its own while the server stops
+            self.changed()
 
     async def openai_layer(self) -> Any:
         """The engine adapter's OpenAI layer (app/engine/openai_layer.py), built once in a thread on first use: vLLM's
@@ -317,12 +418,25 @@ class AppState:
         return self.adapters.resolve(name).handle
 
 
+# Where each part of AppState lives with several API processes (tests/test_unit_api_processes.py holds every field to
+# one of them). Server-wide: the control process's, mirrored by every API process from the board
+# (app/server/mirror.py); so are the parts of the managers made in ``__post_init__`` that the API processes read (the
+# weights' version and consistency, the LoRA registry) and the engine adapter's pause record and prefix-cache salt.
+SERVER_WIDE = frozenset({"started_at", "draining", "shutting_down", "ready", "engine_failure", "drain_started_at",
+                         "sidecar", "leaving"})
+PER_PROCESS = frozenset({"settings", "engine", "api_process", "peers", "local", "finished", "_drain_mark",
+                         "engine_processes", "live", "by_client", "_seq", "_idle", "_openai", "_openai_lock",
+                         "_restore_error", "_slots", "_base"})
+
+
 async def get_state(request: Request) -> AppState:
     """FastAPI dependency: the AppState of the app serving this request. ``async`` on purpose: FastAPI runs a plain
     ``def`` dependency in a worker thread, a thread hop per request that cost ~17% of the hot path under load."""
     state: AppState | None = getattr(request.app.state, "tito", None)
     if state is None:
         raise not_started(request)
+    if state.peers is not None:
+        state.peers.refresh(state)  # an API process of several: the control process's latest word
     return state
 
 
