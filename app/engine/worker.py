@@ -14,7 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.engine import vllm_patches_weights
 from app.engine.vllm_patches import install as install_vllm_patches
+from app.engine.vllm_patches_weights import is_tied_head
 from app.engine.weight_markers import inject_fault
 from app.engine.worker_areal import ArealWorker
 from app.engine.worker_broadcast import BroadcastWorker
@@ -61,25 +63,22 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset(partial)
         before = self.tito_buffer_digests()
-        ties = tied_parameters(self.model_runner.get_model())  # type: ignore[attr-defined]
+        vllm_patches_weights.last_tie_seconds = 0.0
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         except BaseException:
             self._tito_abandon_reload()
             raise
-        finally:
-            t1 = time.perf_counter()
-            retie(ties)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
-        # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it;
-        # retie_seconds: the tied head re-processed (on CPU its GEMM weights re-packed, the embedding's size), which
-        # vLLM's own reload skips, leaving the head on the old weights.
+        # reload_seconds: vLLM's reload (reading the tensors included), what tito adds is measured against it;
+        # retie_seconds, inside it: a tied head given the embedding's new kernel (vLLM's own reload leaves the head
+        # on the old weights: fix 8 of app/engine/vllm_patches.py).
         return {"kept": dict(report.kept), "rotary_before": _digest_of(before), "not_loaded": sorted(report.not_loaded),
                 "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": t1 - t0,
-                "retie_seconds": t2 - t1}
+                "retie_seconds": vllm_patches_weights.last_tie_seconds}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts
@@ -109,44 +108,6 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
                 raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
-
-# ------------------------------------------------------------------------------------------ tied parameters
-
-def is_tied_head(module: Any) -> bool:
-    """vLLM's LM head (``ParallelLMHead``: the one layer with ``tie_weights``), the only module a reload re-ties."""
-    return callable(getattr(module, "tie_weights", None))
-
-
-def tied_parameters(model: Any) -> list[tuple[Any, str, Any, str]]:
-    """``(module, name, owner, owner_name)`` for each parameter a module shares with an earlier one (a tied head
-    shares the embedding's)."""
-    first: dict[int, tuple[Any, str]] = {}
-    ties = []
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
-            if id(p) in first and is_tied_head(module):
-                ties.append((module, name, *first[id(p)]))
-            else:
-                first[id(p)] = (module, name)
-    return ties
-
-
-def retie(ties: list[tuple[Any, str, Any, str]]) -> None:
-    """vLLM's layerwise reload puts a tied head's old tensor and its processed form back (the head loads nothing:
-    the checkpoint's copy of it is skipped, as vLLM's loader skips it), so the head would keep serving the old
-    weights (on CPU through the GEMM handle built from them, ``dispatch_cpu_unquantized_gemm``): point it at the
-    embedding's tensor again and process it as a load does."""
-    for module in {id(m): m for m, *_ in ties}.values():
-        for name, p in list(module._parameters.items()):
-            for m, n, owner, owner_name in ties:
-                if m is module and n == name and p is not owner._parameters.get(owner_name):
-                    module._parameters[name] = owner._parameters[owner_name]
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-
 
 # ------------------------------------------------------------------------------------------ reload report
 
