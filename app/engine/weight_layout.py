@@ -25,25 +25,33 @@ class InPlace:
 
 
 
-def write_inplace(plan: InPlace, hf_idx: Any, target_flat: Any) -> None:
-    """``param[p(i)] = target[i]`` in the parameter's dtype: what loading the target would have put there."""
+def positions(plan: InPlace, hf_idx: Any) -> tuple[Any, Any]:
+    """Where HF elements ``hf_idx`` (sorted int64) sit in the parameter, and which of them this rank holds (the
+    others, held by another tensor-parallel rank, are left out)."""
     import torch
 
-    from app.engine.delta_format import gather, scatter
-
-    if hf_idx.numel() == 0 or plan.hf_start.numel() == 0:
-        return
     j = torch.searchsorted(plan.hf_start, hf_idx, right=True) - 1
     ok = j >= 0
     j = j.clamp(min=0)
     off = hf_idx - plan.hf_start[j]
-    ok &= off < plan.length[j]  # elements another tensor-parallel rank holds are skipped
-    dst = plan.param.data.view(-1)
-    pos = (plan.p_start[j] + off)[ok]
-    scatter(dst, pos, gather(target_flat, hf_idx[ok]).to(dst.dtype))
+    ok &= off < plan.length[j]
+    return (plan.p_start[j] + off)[ok], ok
 
 
-def inplace_ok(module: Any, shared: set[int]) -> bool:
+def add_inplace(plan: InPlace, rec: Any) -> None:
+    """A delta record added to the parameter where its elements live: ``param[p(i)] = (param[p(i)] promoted +
+    value) -> param's dtype``, what loading the trainer's target would have put there (the live value is the base the
+    delta was taken against)."""
+    from app.engine.delta_format import DeltaRecord, apply_to
+
+    if rec.indices.numel() == 0 or plan.hf_start.numel() == 0:
+        return
+    pos, ok = positions(plan, rec.indices)
+    values = rec.values if bool(ok.all()) else rec.values[ok]
+    apply_to(plan.param.data.view(-1), DeltaRecord(rec.name, tuple(plan.param.shape), pos, values))
+
+
+def inplace_ok(module: Any) -> bool:
     """Whether the kernel reads this module's parameters as loaded, on this platform (vLLM 0.32)."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -58,9 +66,9 @@ def inplace_ok(module: Any, shared: set[int]) -> bool:
             return False
         if cuda:
             return True
-        # CPU: the embedding lookup reads the weight; its packed copy serves only an LM head sharing that weight.
-        return bool(current_platform.is_cpu()) and not isinstance(module, ParallelLMHead) and \
-            id(getattr(module, "weight", None)) not in shared
+        # CPU: the embedding lookup reads the weight; its packed copy serves only an LM head sharing that weight (a
+        # tied head), whose kernel the commit builds again from the new values (worker_delta.py).
+        return bool(current_platform.is_cpu()) and not isinstance(module, ParallelLMHead)
     if isinstance(module, LinearBase):
         return cuda and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
     return False
@@ -86,13 +94,13 @@ def locate(model: Any, name: str, packed: dict[str, list[str]]) -> tuple[Any, st
     return module, pname, shard, f"{mod_path}.{pname}"
 
 
-def layout_plans(model: Any, vllm_config: Any, tensors: dict[str, Any],
-           packed: dict[str, list[str]]) -> tuple[dict[str, InPlace | None], dict[str, tuple[str, str, Any]]]:
+def layout_plans(model: Any, vllm_config: Any, shapes: dict[str, tuple[int, ...]],
+                 packed: dict[str, list[str]]) -> tuple[dict[str, InPlace | None], dict[str, tuple[str, str, Any]]]:
+    """For each HF tensor (name -> shape): its in-place plan (None: its layer reloads), and where it lives."""
     plans: dict[str, InPlace | None] = {}
     where: dict[str, tuple[str, str, Any]] = {}
     quantized = getattr(vllm_config, "quant_config", None) is not None
-    shared = shared_params(model)
-    for name, t in tensors.items():
+    for name, shape in shapes.items():
         plans[name] = None
         found = locate(model, name, packed)
         if found is None:
@@ -100,10 +108,10 @@ def layout_plans(model: Any, vllm_config: Any, tensors: dict[str, Any],
         module, pname, shard, vname = found
         where[name] = (vname.rpartition(".")[0], pname, shard)
         param = module._parameters.get(pname)
-        if quantized or param is None or not param.is_contiguous() or not inplace_ok(module, shared):
+        if quantized or param is None or not param.is_contiguous() or not inplace_ok(module):
             continue
         try:
-            plans[name] = trace_param(param, shard, tuple(t.shape), module)
+            plans[name] = trace_param(param, shard, tuple(shape), module)
         except Exception as e:  # noqa: BLE001 - an unusual loader: that tensor reloads instead
             log.info("delta: %s is reloaded, not written in place (tracing its loader failed: %s)", name, e)
     return plans, where

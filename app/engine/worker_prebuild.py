@@ -15,7 +15,9 @@ is nearly as long as a full update. Here that work moves out of the pause:
 
 The result is what vLLM's reload would have produced from the same target weights (the tests compare it with a fresh
 engine and with transformers). Taken for unquantized linear layers and an untied LM head on CPU; everything else keeps
-the reload path, and on CUDA linear layers are written in place (worker_delta.py).
+the reload path, and on CUDA linear layers are written in place (worker_delta.py). An embedding a tied LM head
+multiplies with is written in place at commit; its kernel (the packed copy the head uses) is built here the same way,
+from the embedding's target, and only the kernel is swapped in.
 """
 
 from __future__ import annotations
@@ -95,6 +97,30 @@ def prebuild_ok(module: Any, shared: set[int], quantized: bool) -> bool:
     if isinstance(module, LinearBase):
         return isinstance(module.quant_method, UnquantizedLinearMethod)
     return isinstance(module, ParallelLMHead) and method == "UnquantizedEmbeddingMethod"
+
+
+def kernel_of(module: Any) -> bool:
+    """Whether processing gave the module a GEMM kernel of its own (on CPU, ``dispatch_cpu_unquantized_gemm``)."""
+    from app.engine.vllm_patches_weights import KERNEL_ATTRS
+
+    return all(hasattr(module, a) for a in KERNEL_ATTRS)
+
+
+def build_kernel(layer: Any, weights: dict[str, Any]) -> Prebuilt:
+    """Run vLLM's processing on a shadow of ``layer`` holding ``weights`` (parameter name -> tensor in the layer's
+    own layout): the kernel attributes processing sets, for the commit to put on the layer (its tensors are written
+    in place)."""
+    import torch
+
+    before = dict(layer.__dict__)
+    shadow = copy.copy(layer)
+    shadow._parameters = dict(layer._parameters)
+    for name, t in weights.items():
+        shadow._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    with torch.no_grad():
+        shadow.quant_method.process_weights_after_loading(shadow)
+    attrs = {k: v for k, v in shadow.__dict__.items() if k not in _MODULE_SLOTS and before.get(k, _MISSING) is not v}
+    return Prebuilt(layer, {}, {}, attrs)
 
 
 def _fresh(meta: Any, shadow: Any) -> Any:
@@ -194,11 +220,13 @@ def swap_in(p: Prebuilt) -> None:
         setattr(p.layer, k, v)
 
 
-def timed_build(path: str, layer: Any, feeds: list[tuple[str, Any, Any]]) -> Prebuilt | None:
-    """``build``, or None (with the reason in the log) when the layer keeps the reload path."""
+def timed_build(path: str, layer: Any, feeds: list[tuple[str, Any, Any]],
+                weights: dict[str, Any] | None = None) -> Prebuilt | None:
+    """``build`` (``weights``: ``build_kernel``), or None (with the reason in the log) when the layer keeps the
+    reload path."""
     t0 = time.perf_counter()
     try:
-        out = build(layer, feeds)
+        out = build_kernel(layer, weights) if weights is not None else build(layer, feeds)
     except NotPrebuildable as e:
         log.info("delta: %s reloads at commit (%s)", path, e)
         return None

@@ -5,7 +5,7 @@ generates; the pause only commits.
   after ``/reload_weights``; tito's own label ``default`` is accepted for it too), else tito's weight version. A delta
   must name it as ``base_version``; ``dirty`` is tito's "weights inconsistent" state. One entry per staged version
   (staging it again replaces it), at most ``--max-staged-versions`` (the oldest is dropped).
-- **Stage** (any transport): a delta is read record by record (in a low-priority process of its own), checked
+- **Stage** (any transport): a delta is read record by record (in a process of its own), checked
   against the active weights' names, shapes and dtypes (a bad one is a 400 here, never at commit) and written in
   tito's prepared form (sorted int64 indices) under the staging directory; the workers start filling their host copy
   of the active weights.
