@@ -228,6 +228,6 @@ def test_a_tied_head_takes_the_embeddings_new_kernel_after_a_reload() -> None:
     fixed, unfixed = res["patched"], res["unpatched"]
     # bf16 logits of 64-term dot products: the old weights are ~40 away, rounding well under 1.
     assert fixed["from_new"] < 0.5 < fixed["from_old"] and fixed["embedding_new"], fixed
-    assert fixed["shared_at_load"] and fixed["shared"], fixed
+    assert fixed["shared_at_load"] and fixed["shared"] and fixed["old_kernel_freed"], fixed
     assert unfixed["from_old"] < 0.5 < unfixed["from_new"] and unfixed["embedding_new"], unfixed
-    assert not unfixed["shared_at_load"], unfixed
+    assert not unfixed["shared_at_load"] and not unfixed["old_kernel_freed"], unfixed

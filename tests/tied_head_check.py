@@ -1,12 +1,13 @@
 """Run as a script (a process of its own: it initializes vLLM's one-rank distributed state): a tied embedding and LM
 head built from vLLM's own layers on CPU, loaded, processed, then reloaded in place through vLLM's layerwise reload,
 first with vLLM's code as it is, then with tito's fix 8 (app/engine/vllm_patches_weights.py). Prints one JSON line,
-for each: how far the head's logits are from the new and from the old weights, and whether the head shares the
-embedding's kernel."""
+for each: how far the head's logits are from the new and from the old weights, whether the head shares the
+embedding's kernel, and whether the old kernel (its packed matrix) is gone after the reload."""
 
 from __future__ import annotations
 
 import json
+import weakref
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ def run(patched: bool) -> dict[str, object]:
     if patched:
         tie_heads(model)  # what the fix adds after the loader's processing
     shared_at_load = model.lm_head.cpu_linear is model.embed_tokens.cpu_linear
+    old_kernel = weakref.ref(model.lm_head.cpu_linear)
     layerwise.initialize_layerwise_reload(model)
     model.load_weights([("embed_tokens.weight", new)])
     layerwise.finalize_layerwise_reload(model, None)
@@ -51,6 +53,7 @@ def run(patched: bool) -> dict[str, object]:
             "from_old": (logits - x.float() @ old.float().t()).abs().max().item(),
             "shared_at_load": shared_at_load,
             "shared": model.lm_head.cpu_linear is model.embed_tokens.cpu_linear,
+            "old_kernel_freed": old_kernel() is None,
             "embedding_new": torch.equal(model.embed_tokens.weight, new)}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from app.engine.vllm_patches_runner import MARK
 KERNEL_ATTRS = ("cpu_linear",)
 
 last_tie_seconds = 0.0  # the last load's or reload's tie, for the update's log line
+# Each model's tied pairs (its module tree does not change), and each owner's heads sharing its kernel.
+_TIES: weakref.WeakKeyDictionary[Any, list[tuple[Any, str, Any, str]]] = weakref.WeakKeyDictionary()
+_SHARING: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def is_tied_head(module: Any) -> bool:
@@ -63,15 +67,32 @@ def tie_heads(model: Any, ties: list[tuple[Any, str, Any, str]] | None = None) -
     processed kernel, or process it from that tensor when the two are processed differently. Returns the seconds."""
     global last_tie_seconds
     t0 = time.perf_counter()
-    for head, name, owner, owner_name in ties if ties is not None else tied_heads(model):
+    if ties is None:
+        ties = _TIES.get(model)
+        if ties is None:
+            ties = _TIES[model] = tied_heads(model)
+    for head, name, owner, owner_name in ties:
         if head._parameters.get(name) is not owner._parameters.get(owner_name):
             head._parameters[name] = owner._parameters[owner_name]
-        if not share_kernel(head, owner):
+        if share_kernel(head, owner):
+            _SHARING.setdefault(owner, [])
+            if head not in _SHARING[owner]:
+                _SHARING[owner].append(head)
+        else:
             method = getattr(head, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(head)
     last_tie_seconds = time.perf_counter() - t0
     return last_tie_seconds
+
+
+def drop_shared_kernel(owner: Any) -> None:
+    """Before ``owner`` is processed again (a reload, or a commit packing it from new values): its kernel and its
+    heads' references to it go, so the old packed matrix is freed before the new one is built (the peak holds one,
+    not two; the model is paused, and the tie after processing gives the heads the new one)."""
+    for module in (owner, *_SHARING.get(owner, ())):
+        for a in KERNEL_ATTRS:
+            module.__dict__.pop(a, None)
 
 
 def patch_cpu_tied_head() -> bool:
@@ -81,6 +102,7 @@ def patch_cpu_tied_head() -> bool:
 
     if not current_platform.is_cpu():
         return False
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod as Method
     from vllm.model_executor.model_loader import base_loader
     from vllm.model_executor.model_loader.reload import inplace, layerwise
 
@@ -89,7 +111,22 @@ def patch_cpu_tied_head() -> bool:
         original = getattr(module, name)
         if not getattr(original, MARK, False):
             setattr(module, name, _tying_after(original))
+    if not getattr(Method.process_weights_after_loading, MARK, False):
+        Method.process_weights_after_loading = _dropping_shared_first(  # type: ignore[method-assign,assignment]
+            Method.process_weights_after_loading)
     return True
+
+
+def _dropping_shared_first(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """An embedding's processing that first lets go of the kernel it shares with a tied head."""
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        drop_shared_kernel(layer)
+        original(self, layer)
+
+    setattr(process_weights_after_loading, MARK, True)
+    return process_weights_after_loading
 
 
 def _tying_after(original: Callable[..., Any]) -> Callable[..., Any]:
