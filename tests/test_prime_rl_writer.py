@@ -374,6 +374,8 @@ def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_pa
             assert c.post("/resume").json() == {"status": "resumed"}
         w = r.json()["workers"]
         assert w["prepared"] is True and w["reloaded_groups"] == 0 and w["inplace"] > 0 and w["prebuilt"] > 0, w
+        copies = c.get("/server_info").json()["state"]["staging"]["workers"]
+        assert {x["copy"] for x in copies} == {"memory"}, copies  # the default (long_tito runs --delta-copy file)
         assert greedy(c, PROMPTS, N) == reference_greedy(target, tmp_path / "ref", PROMPTS, N, config=config)
         bad = with_head(target)
         bad["lm_head.weight"][0, 0] += 1.0

@@ -38,17 +38,41 @@ def positions(plan: InPlace, hf_idx: Any) -> tuple[Any, Any]:
     return (plan.p_start[j] + off)[ok], ok
 
 
-def add_inplace(plan: InPlace, rec: Any) -> None:
-    """A delta record added to the parameter where its elements live: ``param[p(i)] = (param[p(i)] promoted +
-    value) -> param's dtype``, what loading the trainer's target would have put there (the live value is the base the
-    delta was taken against)."""
-    from app.engine.delta_format import DeltaRecord, apply_to
+@dataclass
+class Write:
+    """A delta's changed elements of one in-place tensor, worked out before the pause: the parameter, where they sit
+    in it, and the values they take (the live base plus the delta, in the wider dtype, rounded once: what loading the
+    trainer's target would have put there). The commit only scatters them."""
+
+    name: str
+    param: Any
+    pos: Any  # int64 positions in the parameter's flat view
+    values: Any  # in the parameter's dtype
+
+    def apply(self, into: Any = None) -> None:
+        """Into the live parameter, or ``into`` (a scratch copy of it)."""
+        from app.engine.delta_format import scatter
+
+        if self.pos.numel():
+            scatter((self.param.data if into is None else into).view(-1), self.pos, self.values)
+
+
+def prepare_write(plan: InPlace, rec: Any) -> Write:
+    """The ``Write`` of a delta record on the tensor ``plan`` places, read against the live parameter now (which
+    must not change until it is applied)."""
+    import torch
+
+    from app.engine.delta_format import gather
 
     if rec.indices.numel() == 0 or plan.hf_start.numel() == 0:
-        return
+        empty = torch.zeros(0, dtype=torch.int64)
+        return Write(rec.name, plan.param, empty, plan.param.data.new_empty(0))
     pos, ok = positions(plan, rec.indices)
     values = rec.values if bool(ok.all()) else rec.values[ok]
-    apply_to(plan.param.data.view(-1), DeltaRecord(rec.name, tuple(plan.param.shape), pos, values))
+    flat = plan.param.data.view(-1)
+    wide = torch.promote_types(flat.dtype, values.dtype)
+    target = (gather(flat, pos).to(wide) + values.to(wide)).to(flat.dtype)
+    return Write(rec.name, plan.param, pos, target)
 
 
 def inplace_ok(module: Any) -> bool:

@@ -41,10 +41,11 @@ from typing import Any
 from app.engine.vllm_patches_weights import tie_heads
 from app.engine.weight_layout import (
     InPlace,
-    add_inplace,
+    Write,
     inplace_ok,
     layout_plans,
     locate,
+    prepare_write,
     shared_params,
     trace_param,
 )
@@ -59,6 +60,7 @@ class DeltaCache:
     version: str | None = None
     tensors: dict[str, Any] = field(default_factory=dict)  # HF name -> the copy, for tensors not written in place
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # HF name -> shape, every tensor of the version
+    mapped: list[Any] = field(default_factory=list)  # --delta-copy file: the mapped files the copy's tensors view
     ready: bool = False
     error: str | None = None
     cancelled: bool = False  # dropped while filling: the fill stops
@@ -77,6 +79,7 @@ class DeltaCache:
     def status(self) -> dict[str, Any]:
         state = "ready" if self.ready else "error" if self.error else "filling" if self.thread else "empty"
         return {"pid": os.getpid(), "version": self.version, "state": state, "error": self.error,
+                "copy": "file" if self.mapped else "memory",
                 "tensors": len(self.shapes), "copied": len(self.tensors), "bytes": self.nbytes if self.ready else 0,
                 "inplace": sum(p is not None for p in self.plans.values()), "seconds": round(self.seconds, 3),
                 "pending": self.pending.status() if self.pending is not None else None}
@@ -117,20 +120,21 @@ class DeltaWorker:
     def tito_delta_status(self) -> dict[str, Any]:
         return self._delta_cache().status()
 
-    def tito_delta_prepare(self, version: str, files: list[str] | None,
-                           delta: dict[str, str] | None = None) -> dict[str, Any]:
+    def tito_delta_prepare(self, version: str, files: list[str] | None, delta: dict[str, str] | None = None,
+                           copy_dir: str | None = None) -> dict[str, Any]:
         """Make sure the cached copy holds ``version``: already there, being filled, or start filling it from
         ``files`` (the active checkpoint) in a background thread. ``files`` None: the copy must already be at
         ``version`` (the result of an earlier delta commit). ``delta`` ({"path", "version"}: a staged delta on
-        ``version``): make it ready for its commit in the background too (worker_prebuild.py)."""
+        ``version``): make it ready for its commit in the background too (worker_prebuild.py). ``copy_dir``: the
+        copy is a memory-mapped file there instead of anonymous memory (``--delta-copy file``)."""
         c = self._delta_cache()
         if not (c.version == version and (c.ready or (c.thread is not None and c.thread.is_alive()))):
             if files is None:
                 return {**c.status(), "state": "missing"}
             self.tito_delta_reset()
             c = self._tito_delta = DeltaCache(version=version)
-            c.thread = threading.Thread(target=self._delta_fill, args=(c, list(files)), name="tito-delta-fill",
-                                        daemon=True)
+            c.thread = threading.Thread(target=self._delta_fill, args=(c, list(files), copy_dir),
+                                        name="tito-delta-fill", daemon=True)
             c.thread.start()
         old = c.pending
         if delta is not None and not (old is not None and not old.cancelled and old.state != "error" and
@@ -141,7 +145,7 @@ class DeltaWorker:
             p.thread.start()
         return c.status()
 
-    def _delta_fill(self, c: DeltaCache, files: list[str]) -> None:
+    def _delta_fill(self, c: DeltaCache, files: list[str], copy_dir: str | None = None) -> None:
         """Work out from the checkpoint's headers which tensors a commit writes in place (read from the model
         itself), then read the others into host memory (a real copy: the files may be replaced or deleted later).
         Runs beside generation, at its priority (generation shares the CPU with it for a moment, rather than a commit
@@ -160,13 +164,21 @@ class DeltaWorker:
             packed = dict(getattr(model, "packed_modules_mapping", None) or {})
             plans, where = layout_plans(model, self.vllm_config, shapes, packed)  # type: ignore[attr-defined]
             tensors: dict[str, Any] = {}
+            copied = [n for n in shapes if plans.get(n) is None]
             for f in files:
                 with safe_open(f, framework="pt") as st:
-                    for name in st.keys():
+                    dtypes = {n: st.get_slice(n).get_dtype() for n in st.keys() if n in copied}
+                    if copy_dir is not None:
+                        into = self._copy_file(c, copy_dir, {n: (shapes[n], dtypes[n]) for n in dtypes})
+                    for name in dtypes:
                         if c.cancelled:
                             return
-                        if name in shapes and plans.get(name) is None:
-                            tensors[name] = st.get_tensor(name).clone()
+                        t = st.get_tensor(name)
+                        if copy_dir is None:
+                            tensors[name] = t.clone()
+                        else:
+                            tensors[name] = into[name]
+                            tensors[name].copy_(t)
             groups: dict[str, list[str]] = {}
             for name in shapes:
                 groups.setdefault(group_of(name, packed), []).append(name)
@@ -181,6 +193,33 @@ class DeltaWorker:
             c.error = f"{type(e).__name__}: {e}"
             c.tensors = {}
             log.error("delta cache fill failed: %s", c.error)
+
+    def _copy_file(self, c: DeltaCache, copy_dir: str, specs: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, Any]:
+        """Tensors (name -> (shape, safetensors dtype)) laid out in one new file under ``copy_dir``, memory-mapped
+        shared: writes reach the file, and the kernel may drop its clean pages. The file is unlinked at once (it lives
+        as long as the mapping: nothing is left behind, whatever ends the process)."""
+        import math
+        from pathlib import Path
+
+        import torch
+
+        names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
+        layout, total = {}, 0
+        for name, (shape, dt) in specs.items():
+            dtype = names[dt]
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            layout[name] = (total, size, shape, dtype)
+            total += (size + 63) // 64 * 64
+        Path(copy_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(copy_dir) / f"copy-{os.getpid()}-{time.monotonic_ns()}"
+        with open(path, "wb") as f:
+            f.truncate(max(total, 1))
+        flat = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)
+        path.unlink()
+        c.mapped.append(flat)
+        return {n: flat[off:off + size].view(dtype).view(shape) for n, (off, size, shape, dtype) in layout.items()}
 
     def tito_delta_trace(self, shapes: dict[str, list[int]]) -> dict[str, Any]:
         """Where each element of these HF tensors lands in vLLM's parameters (fused, sharded), as the in-place path
@@ -329,42 +368,42 @@ class DeltaWorker:
         finally:
             p.seconds, p.cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
 
-    def _kernels_ahead(self, c: DeltaCache, inplace: list[Any], shared: set[int]) -> dict[str, Prebuilt]:
+    def _kernels_ahead(self, c: DeltaCache, writes: list[Write], shared: set[int]) -> dict[str, Prebuilt]:
         """For each tensor written in place whose weight a tied head multiplies with (on CPU, through a kernel
-        packed from it): that kernel built from the target (the live weight plus the delta, in a scratch copy)."""
+        packed from it): that kernel built from the target (the live weight with the delta's writes, in a scratch
+        copy)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         out: dict[str, Prebuilt] = {}
-        for rec in inplace:
-            module_path, pname, _ = c.where[rec.name]
+        for w in writes:
+            module_path, pname, _ = c.where[w.name]
             module = model.get_submodule(module_path)
             if id(module._parameters.get(pname)) not in shared or not kernel_of(module):
                 continue
-            plan = c.plans[rec.name]
-            assert plan is not None
-            target = plan.param.detach().clone()
-            add_inplace(InPlace(target, plan.hf_start, plan.p_start, plan.length), rec)
+            target = w.param.detach().clone()
+            w.apply(into=target)
             built = timed_build(module_path, module, [], {pname: target})
             if built is not None:
                 out[module_path] = built
         return out
 
     def _delta_to_copy(self, c: DeltaCache, path: Path,
-                       p: Pending | None = None) -> tuple[list[Any], set[str], int]:
+                       p: Pending | None = None) -> tuple[list[Write], set[str], int]:
         """Add every record of a tensor the commit does not write in place to the copy; return the in-place
-        tensors' records (applied at commit, to the live weights), the other touched tensors, and the number of
-        changed elements. With ``p`` (a delta made ready before the pause): undoably (the replaced elements go to
-        ``p.undo``), stopping when ``p`` is cancelled."""
+        tensors' writes (worked out now against the live weights, scattered into them at commit), the other touched
+        tensors, and the number of changed elements. With ``p`` (a delta made ready before the pause): undoably (the
+        replaced elements go to ``p.undo``), stopping when ``p`` is cancelled."""
         from app.engine.delta_format import apply_to, iter_stream
 
-        inplace: list[Any] = []
+        inplace: list[Write] = []
         touched: set[str] = set()
         elements = 0
         for rec in iter_stream(path):
             if p is not None and p.cancelled:
                 break
             elements += rec.indices.numel()
-            if c.plans.get(rec.name) is not None:
-                inplace.append(rec)
+            plan = c.plans.get(rec.name)
+            if plan is not None:
+                inplace.append(prepare_write(plan, rec))
                 continue
             flat = c.tensors[rec.name].view(-1)
             if p is None:
@@ -375,21 +414,22 @@ class DeltaWorker:
                 touched.add(rec.name)
         return inplace, touched, elements
 
-    def _delta_to_model(self, c: DeltaCache, inplace: list[Any], touched: set[str],
+    def _delta_to_model(self, c: DeltaCache, inplace: list[Write], touched: set[str],
                         prebuilt: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write the in-place tensors' changed elements, swap in the layers (and a tied head's kernel) processed
         ahead, then reload the other touched layers from the copy."""
         t0 = time.perf_counter()
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        written: set[str] = set()
-        for rec in inplace:
-            plan = c.plans[rec.name]
-            assert plan is not None
-            add_inplace(plan, rec)
-            if rec.indices.numel():
-                written.add(c.where[rec.name][0])
-        t_inplace = time.perf_counter() - t0
         prebuilt = prebuilt or {}
+        whole = {(path, name) for path, b in prebuilt.items() for name in b.storage}  # swapped in, not written
+        written: set[str] = set()
+        for w in inplace:
+            where = c.where[w.name]
+            if (where[0], where[1]) not in whole:
+                w.apply()
+            if w.pos.numel():
+                written.add(where[0])
+        t_inplace = time.perf_counter() - t0
         if prebuilt:  # (the test-only fault hook counts swapped layers as it counts loaded tensors)
             for _, layer in inject_fault(prebuilt.items()):
                 swap_in(layer)

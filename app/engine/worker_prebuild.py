@@ -50,10 +50,12 @@ class Prebuilt:
     params: dict[str, Any]
     buffers: dict[str, Any]
     attrs: dict[str, Any]
+    storage: dict[str, Any] = field(default_factory=dict)  # parameter name -> its new values, swapped in whole
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values()])
+        return sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values(),
+                                                           *self.storage.values()])
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Pending:
     error: str | None = None
     cancelled: bool = False
     undo: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, indices, old values), in applied order
-    inplace: list[tuple[str, Any]] = field(default_factory=list)  # (HF name, changed indices) written at commit
+    inplace: list[Any] = field(default_factory=list)  # weight_layout.Write: in-place elements, scattered at commit
     prebuilt: dict[str, Prebuilt] = field(default_factory=dict)  # module path -> its processed state
     reload: set[str] = field(default_factory=set)  # touched HF names that still reload under the pause
     tensors: int = 0
@@ -107,9 +109,9 @@ def kernel_of(module: Any) -> bool:
 
 
 def build_kernel(layer: Any, weights: dict[str, Any]) -> Prebuilt:
-    """Run vLLM's processing on a shadow of ``layer`` holding ``weights`` (parameter name -> tensor in the layer's
-    own layout): the kernel attributes processing sets, for the commit to put on the layer (its tensors are written
-    in place)."""
+    """Run vLLM's processing on a shadow of ``layer`` holding ``weights`` (parameter name -> the whole target, in the
+    layer's own layout): the kernel attributes processing sets, and the target itself, which the commit swaps in as
+    the parameter's storage (on CPU, where nothing holds its address: one pointer, not a copy under the pause)."""
     import torch
 
     before = dict(layer.__dict__)
@@ -120,7 +122,7 @@ def build_kernel(layer: Any, weights: dict[str, Any]) -> Prebuilt:
     with torch.no_grad():
         shadow.quant_method.process_weights_after_loading(shadow)
     attrs = {k: v for k, v in shadow.__dict__.items() if k not in _MODULE_SLOTS and before.get(k, _MISSING) is not v}
-    return Prebuilt(layer, {}, {}, attrs)
+    return Prebuilt(layer, {}, {}, attrs, dict(weights))
 
 
 def _fresh(meta: Any, shadow: Any) -> Any:
@@ -212,6 +214,8 @@ def swap_in(p: Prebuilt) -> None:
     import torch
 
     with torch.no_grad():
+        for name, t in p.storage.items():
+            p.layer._parameters[name].data = t
         for name, t in p.params.items():
             p.layer._parameters[name].data.copy_(t)
         for name, t in p.buffers.items():

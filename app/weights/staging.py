@@ -310,7 +310,8 @@ class StagingManager:
         """Have the workers' host copy hold ``version`` (filled in the background while generation goes on), and
         ``delta`` ({"path", "version"}) made ready for its commit on top of it."""
         try:  # answers at once (the copy fills in a worker thread): a bounded wait
-            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files, delta),
+            copy_dir = str(self.root / "copies") if self.settings.delta_copy == "file" else None
+            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files, delta, copy_dir),
                                                   WORKER_RPC_TIMEOUT)
         except TimeoutError:
             raise ApiError(504, f"the workers did not answer within {WORKER_RPC_TIMEOUT:g}s (preparing their copy "
