@@ -109,11 +109,11 @@ class Server:
         steady = self.mem.steady(t0)
         tpot = self.streams.interval(t0)
         self.post("/pause", params=PAUSE)
-        t1 = time.monotonic()
+        t1, cpu1 = time.monotonic(), tree_cpu_s(self.pid)
         try:
             answer = call()
         finally:
-            t2 = time.monotonic()
+            t2, cpu2 = time.monotonic(), tree_cpu_s(self.pid)
             self.post("/resume")
         t3 = time.monotonic()
         self.streams.after(t3)
@@ -124,7 +124,8 @@ class Server:
         nbytes = int(answer.get("bytes") or nbytes)
         row: dict[str, Any] = {
             "system": self.system, "mode": self.mode, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
-            "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "bytes": nbytes, "gbps": nbytes / (t2 - t1) / 1e9,
+            "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "cpu_s": cpu2 - cpu1, "bytes": nbytes,
+            "gbps": nbytes / (t2 - t1) / 1e9,
             "server_s": answer.get("seconds"), "reload_s": answer.get("reload_seconds"),
             "retie_s": answer.get("retie_seconds"), "workers": answer.get("workers"),
             "steady_rss": steady[0], "steady_anon": steady[1],
@@ -352,6 +353,13 @@ def report(res: dict[str, Any]) -> str:
         if bs:
             lines.append(f"Broadcasts ({mode}): the trainer process's CPU over each (it shares the machine's cores): "
                          f"{spread([r['sender_cpu_s'] for r in bs])} s")
+    for mode in modes:
+        for (system, kind), label in LABELS.items():
+            cpus = [r["cpu_s"] for r in rows if r["system"] == system and r["kind"] == kind and r["mode"] == mode
+                    and "cpu_s" in r]
+            if cpus:
+                lines.append(f"CPU seconds of the server's processes during the update call ({mode}), "
+                             f"{label.split(' (')[0]}: {spread(cpus)}")
     entries = [(k, v) for rd in rounds for k, v in rd.items()]
     reads = [v["read"] for _, v in entries if "read" in v]
     lines += ["", f"File read speed of the same files, GB/s: cold {spread([r['cold_gbps'] for r in reads])}, "
