@@ -427,6 +427,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="py-spy each server's engine during its timed updates.")
     p.add_argument("--kinds", default="full,delta,broadcast", help="tito's updates: full, delta, broadcast.")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--first-round", type=int, default=0, help="The first round's number (0, 1, ...): odd rounds run "
+                   "the modes and systems in reverse order, so separate runs of one round each alternate too.")
     p.add_argument("--repeat", type=int, default=5, help="Timed updates of each kind per round and system.")
     p.add_argument("--streams", type=int, default=2, help="Clients streaming /v1/completions throughout.")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -466,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in a.systems.split(",") if s]
         steps = delta_chain(a.model, a.work, a.repeat + 1, a.fraction) if "tito" in systems and \
             "delta" in a.kinds else []
-        for i in range(a.rounds):
+        for i in range(a.first_round, a.first_round + a.rounds):
             rd: dict[str, Any] = {}
             for mode in reverse_odd([m for m in a.modes.split(",") if m], i):
                 for system in reverse_odd(systems, i):
