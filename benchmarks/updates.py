@@ -65,14 +65,15 @@ def checkpoint_files(model: Path) -> list[Path]:
 class Server:
     """One system, started fresh, with its streams and memory sampler; ``update()`` runs one timed update."""
 
-    def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int, mode: str = "eager") -> None:
+    def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int, mode: str = "eager",
+                 tito_args: str = "") -> None:
         from tests.helpers import EAGER_ENV, engine_env
 
         self.system, self.model, self.work, self.mode = system, model, work, mode
         port = port_in()
         extra = f"--max-model-len {max_len}" + (" --enforce-eager" if mode == "eager" else "")
         if system == "tito":
-            extra += f" --allowed-weight-root {work} --allowed-weight-root {model}"
+            extra += f" --allowed-weight-root {work} --allowed-weight-root {model} {tito_args}"
         # At its defaults tito compiles, as vLLM's server does: the suite's eager default for tito is lifted.
         env = engine_env({"VLLM_SERVER_DEV_MODE": "1" if system == "vllm" else None,
                           EAGER_ENV: "1" if mode == "eager" else None})
@@ -231,28 +232,42 @@ def run_sender(port: int, model: Path, step_dirs: list[Path]) -> int:
 def delta_chain(model: Path, work: Path, n: int, fraction: float) -> list[Path]:
     """``n`` chained sparse deltas (delta.stream) from the model's weights, each moving ``fraction`` of every tensor's
     elements; written once per work directory (a ``done`` marker per step, under a file lock: two runs may share the
-    directory)."""
+    directory), one tensor at a time (a 4B model's chain without two copies of it in memory)."""
     import fcntl
+    import zlib
 
     steps = [work / "chain" / f"step_{k}" for k in range(1, n + 1)]
     with (work / "chain.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if all((d / "done").exists() for d in steps):
             return steps
-        from safetensors.torch import load_file
+        import torch
+        from safetensors import safe_open
 
-        from tests.delta_encoder import perturb, write_delta
+        from tests.delta_encoder import StreamWriter, perturb_tensor, stream_order, tensor_delta
 
-        sd = {}
+        where = {}
         for f in checkpoint_files(model):
-            sd.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                where.update({name: f for name in st.keys()})
+        writers = [StreamWriter(d / "delta.stream") for d in steps]
+        try:
+            for name in sorted(where, key=stream_order):
+                with safe_open(str(where[name]), framework="pt") as st:
+                    t = st.get_tensor(name)
+                for k, w in enumerate(writers, start=1):
+                    gen = torch.Generator().manual_seed(1000 * k + zlib.crc32(name.encode()))
+                    target = perturb_tensor(t, fraction, gen, scale=0.01)
+                    idx, vals = tensor_delta(t, target)
+                    if idx.numel():
+                        w.add(name, list(t.shape), idx, vals)
+                    t = target
+        finally:
+            for w in writers:
+                w.close()
         for k, d in enumerate(steps, start=1):
-            target = perturb(sd, fraction, 1000 + k, scale=0.01)
-            if not (d / "done").exists():
-                write_delta(d / "delta.stream", sd, target)
-                (d / "done").touch()
-                print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
-            sd = target
+            (d / "done").touch()
+            print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
     return steps
 
 
@@ -275,7 +290,7 @@ def run_system(system: str, mode: str, a: argparse.Namespace, steps: list[Path])
         return {"skipped": f"{free / 1e9:.1f} GB available, {need / 1e9:.1f} GB needed", "rows": []}
     reads = read_speed(files)
     print(f"{system} ({mode}): read {reads}", file=sys.stderr, flush=True)
-    s = Server(system, a.model, a.work, a.streams, a.max_model_len, mode)
+    s = Server(system, a.model, a.work, a.streams, a.max_model_len, mode, a.tito_args)
     out: dict[str, Any] = {"start_s": s.start_s, "read": reads, "rows": []}
     try:
         s.full("warm-up")  # the first update of a server pays one-time costs
@@ -296,7 +311,7 @@ def run_system(system: str, mode: str, a: argparse.Namespace, steps: list[Path])
 
 
 def soak(a: argparse.Namespace) -> dict[str, Any]:
-    s = Server("tito", a.model, a.work, a.streams, a.max_model_len, a.modes.split(",")[0])
+    s = Server("tito", a.model, a.work, a.streams, a.max_model_len, a.modes.split(",")[0], a.tito_args)
     try:
         s.full("warm-up")
         rows = [s.full("soak") for _ in range(a.soak)]
@@ -424,6 +439,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="tito,vllm")
     p.add_argument("--modes", default="default,eager", help="Engine modes, each a server of its own per system: "
                    "default (each at its defaults: torch.compile) and eager (--enforce-eager).")
+    p.add_argument("--tito-args", default="", help="More flags for tito, e.g. --tito-args='--delta-copy file'.")
     p.add_argument("--profile", action="store_true", help="py-spy each server's engine during its timed updates.")
     p.add_argument("--kinds", default="full,delta,broadcast", help="tito's updates: full, delta, broadcast.")
     p.add_argument("--rounds", type=int, default=1)
