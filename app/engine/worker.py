@@ -62,7 +62,7 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         ``partial`` (a delta's layers): unfed layers are kept; the caller checks ``not_loaded`` itself."""
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset(partial)
-        before = self.tito_buffer_digests()
+        before = self._tito_digests_before()
         vllm_patches_weights.last_tie_seconds = 0.0
         t0 = time.perf_counter()
         try:
@@ -76,9 +76,30 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         # reload_seconds: vLLM's reload (reading the tensors included), what tito adds is measured against it;
         # retie_seconds, inside it: a tied head given the embedding's new kernel (vLLM's own reload leaves the head
         # on the old weights: fix 8 of app/engine/vllm_patches.py).
+        after = self._tito_digests_after()
         return {"kept": dict(report.kept), "rotary_before": _digest_of(before), "not_loaded": sorted(report.not_loaded),
-                "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": t1 - t0,
+                "rotary_after": _digest_of(after), "reload_seconds": t1 - t0,
                 "retie_seconds": vllm_patches_weights.last_tie_seconds}
+
+    _tito_digests: tuple[dict[str, tuple[int, int]], dict[str, str]] | None = None
+
+    def _tito_digests_before(self) -> dict[str, str]:
+        """The rotary caches' digests before a reload: the last reload's "after" when each cache is still the same
+        tensor at the same address (nothing between two updates writes them: computing it again under the pause
+        would only cost time), else computed now."""
+        held = self._tito_digests
+        if held is not None and held[0] == self._tito_buffer_ids():
+            return held[1]
+        return self.tito_buffer_digests()
+
+    def _tito_digests_after(self) -> dict[str, str]:
+        after = self.tito_buffer_digests()
+        self._tito_digests = (self._tito_buffer_ids(), after)
+        return after
+
+    def _tito_buffer_ids(self, contains: str = "rotary") -> dict[str, tuple[int, int]]:
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: (id(buf), buf.data_ptr()) for name, buf in model.named_buffers() if contains in name}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts
@@ -105,7 +126,7 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         for name, buf in model.named_buffers():
             if contains in name:
                 t = buf.detach().contiguous().cpu()
-                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                raw = t.reshape(-1).view(torch.uint8).numpy()  # hashed in place, no copy
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
 
