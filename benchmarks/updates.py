@@ -357,24 +357,22 @@ def report(res: dict[str, Any]) -> str:
                          f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
                          f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
     for mode in modes:
-        ds = [r for r in rows if r["kind"] == "delta" and r["mode"] == mode and "stage_s" in r]
+        here = [r for r in rows if r["mode"] == mode]
+        ds = [r for r in here if r["kind"] == "delta" and "stage_s" in r]
         if ds:
             lines.append(f"Staged deltas ({mode}): the stage answered in {spread([r['stage_s'] for r in ds])} s, "
                          f"ready for its commit in {sum(bool(r['ready']) for r in ds)} of {len(ds)}; generation "
                          f"while staging, against the 3 s before: "
                          f"{spread([r['staging_rate'] for r in ds if 'staging_rate' in r])}")
-    for mode in modes:
-        bs = [r for r in rows if r["kind"] == "broadcast" and r["mode"] == mode and "sender_cpu_s" in r]
+        bs = [r["sender_cpu_s"] for r in here if r["kind"] == "broadcast" and "sender_cpu_s" in r]
         if bs:
             lines.append(f"Broadcasts ({mode}): the trainer process's CPU over each (it shares the machine's cores): "
-                         f"{spread([r['sender_cpu_s'] for r in bs])} s")
-    for mode in modes:
-        for (system, kind), label in LABELS.items():
-            cpus = [r["cpu_s"] for r in rows if r["system"] == system and r["kind"] == kind and r["mode"] == mode
-                    and "cpu_s" in r]
-            if cpus:
-                lines.append(f"CPU seconds of the server's processes during the update call ({mode}), "
-                             f"{label.split(' (')[0]}: {spread(cpus)}")
+                         f"{spread(bs)} s")
+        cpu = {label.split(" (")[0]: [r["cpu_s"] for r in here if (r["system"], r["kind"]) == key and "cpu_s" in r]
+               for key, label in LABELS.items()}
+        if any(cpu.values()):
+            lines.append(f"CPU seconds of the server's processes over the update call ({mode}): "
+                         + "; ".join(f"{k} {spread(v)}" for k, v in cpu.items() if v))
     entries = [(k, v) for rd in rounds for k, v in rd.items()]
     reads = [v["read"] for _, v in entries if "read" in v]
     lines += ["", f"File read speed of the same files, GB/s: cold {spread([r['cold_gbps'] for r in reads])}, "
