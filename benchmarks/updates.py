@@ -341,9 +341,9 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"{res['model']}: checkpoint {size / 1e9:.2f} GB (largest file {largest / 1e9:.2f} GB), "
              f"{len(rounds)} round(s), {res['streams']} streams; min / median / max", "",
              "| update | engine | n | seconds | GB/s | pause, client (pause → resume answered) s | "
-             "pause a stream saw s | token interval before ms | peak RSS above steady GB | peak anon above GB | "
-             "RSS after, above GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pause a stream saw s | token interval before ms | steady RSS GB | peak RSS above steady GB | "
+             "peak anon above GB | RSS after, above GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (system, kind), label in LABELS.items():
         for mode in modes:
             xs = [r for r in rows if r["system"] == system and r["kind"] == kind and r["mode"] == mode]
@@ -353,6 +353,7 @@ def report(res: dict[str, Any]) -> str:
                          f"{spread([r['gbps'] for r in xs])} | {spread([r['pause_s'] for r in xs])} | "
                          f"{spread([r['gap_s'] for r in xs])} | "
                          f"{spread([r['token_s'] * 1000 for r in xs], '{:.0f}')} | "
+                         f"{spread([r['steady_rss'] / 1e9 for r in xs])} | "
                          f"{spread([r['peak_rss_above'] / 1e9 for r in xs])} | "
                          f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
                          f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
