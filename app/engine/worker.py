@@ -81,20 +81,34 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
                 "rotary_after": _digest_of(after), "reload_seconds": t1 - t0,
                 "retie_seconds": vllm_patches_weights.last_tie_seconds}
 
-    _tito_digests: tuple[dict[str, tuple[int, int]], dict[str, str]] | None = None
+    # The rotary caches as the last digest saw them: (their identities, a copy of each, their digests).
+    _tito_digests: tuple[dict[str, tuple[int, int]], dict[str, Any], dict[str, str]] | None = None
 
     def _tito_digests_before(self) -> dict[str, str]:
         """The rotary caches' digests before a reload: the last reload's "after" when each cache is still the same
-        tensor at the same address (nothing between two updates writes them: computing it again under the pause
+        tensor at the same address (nothing between two updates writes them: hashing them again under the pause
         would only cost time), else computed now."""
         held = self._tito_digests
         if held is not None and held[0] == self._tito_buffer_ids():
-            return held[1]
+            return held[2]
         return self.tito_buffer_digests()
 
     def _tito_digests_after(self) -> dict[str, str]:
-        after = self.tito_buffer_digests()
-        self._tito_digests = (self._tito_buffer_ids(), after)
+        """The digests after a reload: the kept ones when every cache is still bit for bit the copy they were taken
+        from (a compare costs a fraction of a hash: this is under the pause), else hashed again."""
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        bufs = {name: buf for name, buf in model.named_buffers() if "rotary" in name}
+        held = self._tito_digests
+        if held is not None and set(held[1]) == set(bufs) and all(
+                _bits(b).shape == _bits(held[1][n]).shape and bool(torch.equal(_bits(b), _bits(held[1][n])))
+                for n, b in bufs.items()):
+            after = held[2]
+        else:
+            after = self.tito_buffer_digests()
+        self._tito_digests = (self._tito_buffer_ids(), {n: b.detach().clone() for n, b in bufs.items()}
+                              if held is None or after is not held[2] else held[1], after)
         return after
 
     def _tito_buffer_ids(self, contains: str = "rotary") -> dict[str, tuple[int, int]]:
@@ -176,6 +190,14 @@ class ReloadReport(logging.Filter):
 
 
 _REPORT: ReloadReport | None = None
+
+
+def _bits(t: Any) -> Any:
+    """A tensor's raw bits as integers of its element size (bitwise equality: no NaN or signed-zero surprises)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(-1).view(ints)
 
 
 def _digest_of(digests: dict[str, str]) -> str:
