@@ -115,6 +115,7 @@ class DeltaWorker:
             c.cancelled = True
             if c.pending is not None:
                 c.pending.cancelled = True
+            give_back_memory()
         return c is not None and bool(c.shapes)
 
     def tito_delta_status(self) -> dict[str, Any]:
@@ -283,6 +284,7 @@ class DeltaWorker:
             self.tito_delta_reset()  # the copy may be ahead of the model: a later delta must refill it
             raise
         c.version = version
+        give_back_memory()
         return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "copy_seconds": t_copy,
                 "cpu_seconds": time.thread_time() - cpu0, "tensors": len(inplace) + len(touched),
                 "elements": elements, "prepared": False, **out}
@@ -297,6 +299,7 @@ class DeltaWorker:
             self.tito_delta_reset()
             raise
         c.version, c.pending = p.version, None
+        give_back_memory()  # the replaced layers' packed weights
         return {"pid": os.getpid(), "seconds": time.perf_counter() - t0, "copy_seconds": 0.0,
                 "cpu_seconds": time.thread_time() - cpu0, "tensors": p.tensors, "elements": p.elements,
                 "prepared": True, "prepare_seconds": round(p.seconds, 3), **out}
@@ -313,6 +316,7 @@ class DeltaWorker:
         undo(c, p)
         if c.pending is p:
             c.pending = None
+        give_back_memory()  # its processed layers
 
     def _delta_ready(self, c: DeltaCache, p: Pending, old: Pending | None) -> None:
         """Background thread, beside generation at its priority: add the delta to the copy (undoably), then process a
@@ -468,6 +472,26 @@ class DeltaWorker:
             fn = getattr(runner, reset, None)
             if fn is not None:
                 fn()
+
+
+def give_back_memory(delay: float = 1.0) -> None:
+    """Hand the memory freed by the copy's and the replaced layers' tensors back to the system, ``delay`` seconds on
+    (once the caller has dropped them), in a thread of its own (never under the caller's pause). Tensors of tens of MB
+    come from glibc's arenas once its mmap threshold has risen, and glibc keeps what they free for the process: after
+    a few deltas at Qwen3-1.7B's shape the worker held 5-7 GB more than before the first (measured), until
+    ``malloc_trim``. A no-op off glibc."""
+    import ctypes
+    import ctypes.util
+
+    def trim() -> None:
+        try:
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    t = threading.Timer(delay, trim)
+    t.daemon = True
+    t.start()
 
 
 def _check_records(c: DeltaCache, path: Path) -> None:
