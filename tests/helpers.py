@@ -41,6 +41,8 @@ def free_port() -> int:
 
 
 EAGER_ENV = "TITO_ENFORCE_EAGER"
+# The environment of every process the suite starts: no package index, uv offline, no model hub (see conftest).
+OFFLINE_ENV = {"UV_OFFLINE": "1", "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def engine_env(extra: Mapping[str, str | None] | None = None) -> dict[str, str]:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ServerProcess, free_port, restore_server
 from tests.reference import Reference
-from tests.venv_build import wait_for_build
+from tests.venv_build import venv_python
 
 pytestmark = pytest.mark.engine
 
@@ -31,18 +31,17 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]  # the driver's
 LONG_PROMPT = [7, 7, 3, 9]
 
 
-def areal_python() -> Path | None:
-    """AReaL's venv (``make areal``; ``make test`` builds it in the background and this waits for that build)."""
-    wait_for_build("TITO_AREAL_BUILD", "AReaL")
-    venv = Path(os.environ.get("TITO_AREAL_VENV") or Path.home() / ".cache" / "tito" / "venv-areal")
-    py = venv / "bin" / "python"
-    return py if (venv / ".installed").is_file() and py.is_file() else None
+def areal_python() -> Path:
+    """AReaL's venv (``make areal``; ``make test`` builds it in the background and this waits for that build); the
+    test skips, saying why, where it cannot be had."""
+    py = venv_python("AReaL", "TITO_AREAL_BUILD", "TITO_AREAL_VENV", "areal")
+    if isinstance(py, str):
+        pytest.skip(py)
+    return py
 
 
 def run_driver(url: str, plan: dict[str, Any], work: Path) -> dict[str, Any]:
     py = areal_python()
-    if py is None:
-        pytest.skip("AReaL's venv is missing: make areal (TITO_AREAL_VENV)")
     (work / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run([str(py), "areal_driver.py", url, str(work / "plan.json")], cwd=DRIVERS, capture_output=True,
                           text=True, timeout=1200, env={**os.environ, "PYTHONWARNINGS": "ignore",

@@ -123,8 +123,6 @@ def test_areal_launcher(tmp_path: Path, tiny_model: Path) -> None:
     extension is left to tito's (its update routes are tito's own), prefix caching off as AReaL asks, its LoRA and
     scheduler settings in effect."""
     py = areal_python()
-    if py is None:
-        pytest.skip("AReaL's venv is missing: make areal (TITO_AREAL_VENV)")
     port = free_port()
     code = (
         "import json, sys\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from tests.conftest import module_server, start_timeout
 from tests.helpers import ROOT, ServerProcess, engine_env, free_port, metric_value, restore_server
 from tests.prime_rl_src import launcher_argv, use_prime_rl
 from tests.rl_steps import GEN, PROMPTS, greedy, reference_greedy
+from tests.streaming import family, wait_gone
 
 pytestmark = pytest.mark.engine
 
@@ -385,3 +387,22 @@ def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_pa
         assert r.status_code == 400, r.text
         assert "'lm_head.weight' changes differently from 'model.embed_tokens.weight'" in r.text
     restore_server(tied_server.url)
+
+
+@pytest.mark.ends_server("prime_tito")
+def test_make_seed_runs_stop_logs_no_engine_death(ending_server: ServerProcess) -> None:
+    """``make seed-run``'s stop (scripts/prime_run/run.py ``stop_in_order``: SIGTERM to tito alone, as a supervisor
+    signals it) on the server Prime-RL's launcher's command line started: tito stops its engine itself, in order, exits
+    0, and logs no engine death. Signalling tito's whole process group, as the seed run did, had the engine core take
+    the signal first, and tito logged ``engine is dead: EngineCore ... exited with code 1`` on a normal stop."""
+    from scripts.prime_run.run import stop_in_order
+
+    s = ending_server
+    assert s.proc is not None
+    procs = family(s.proc.pid)
+    assert any("EngineCore" in p.name() for p in procs)
+    start = len(s.log_text())
+    assert stop_in_order(s.proc, timeout=120) == 0, s.log_tail()
+    log = s.log_text()[start:]
+    assert "engine is dead" not in log and not re.search(r"\bERROR\b", log), log[-3000:]
+    assert wait_gone(procs, 15) == []

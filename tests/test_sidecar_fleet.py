@@ -435,7 +435,8 @@ def test_prime_rl_orchestrator_with_a_replica_sigkilled_between_steps(
     """Prime-RL's own processes, unchanged, from its source snapshot: its launcher writes the configs, its env-server
     and orchestrator run them (scripts/prime_run/run.py); tito's stand-in trainer takes the trainer's place with
     Prime-RL's batch receiver and checkpoint writer. Its admin URLs are the two replicas Dynamo's RL discovery lists;
-    its rollouts go to a (Dynamo 1.6.1's frontend refuses every request Prime-RL makes: docs/guides/prime-rl.md).
+    its rollouts go to a (Dynamo 1.6.1's vLLM sidecar refuses every request Prime-RL makes: see
+    docs/guides/prime-rl-orchestrator.md).
     2 steps, Prime-RL's off-policy bound at 0 (a batch trains only on rollouts of the step's own weights). Once the
     startup weights (step 0) are on both, b's whole process group is SIGKILLed and restarted with the same command
     line while the orchestrator runs on: b comes back at step 0 from its record, then takes step 1 from the

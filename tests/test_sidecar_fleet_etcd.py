@@ -82,7 +82,7 @@ def netns() -> Iterator[Netns]:
 @pytest.fixture(scope="module")
 def etcd(netns: Netns, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
-        pytest.skip("etcd is not installed (Debian: apt-get install -y etcd-server etcd-client; `make test` does)")
+        pytest.skip("etcd is not installed (Debian: apt-get install -y etcd-server etcd-client; CI's .ci/run does)")
     client, peer = free_port(), free_port()
     url = f"http://{netns.host}:{client}"
     data = tmp_path_factory.mktemp("etcd")

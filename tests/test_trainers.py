@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.helpers import ServerProcess, restore_server
-from tests.venv_build import wait_for_build
+from tests.venv_build import venv_python
 
 pytestmark = pytest.mark.engine
 
@@ -34,12 +34,10 @@ DRIVERS = Path(__file__).parent / "trainer_clients"
 TOL = 1e-4
 
 
-def _trainers_python() -> Path | None:
-    # make test builds SkyRL's venv in the background (trainers-bg): its failure fails the test, not a skip.
-    wait_for_build("TITO_TRAINERS_BUILD", "SkyRL")
-    venv = Path(os.environ.get("TITO_TRAINERS_VENV") or Path.home() / ".cache" / "tito" / "venv-trainers")
-    py = venv / "bin" / "python"
-    return py if (venv / ".installed").is_file() and py.is_file() else None
+def _trainers_python() -> Path | str:
+    # make test builds SkyRL's venv in the background (trainers-bg): its failure fails the test, not a skip; a machine
+    # without what it needs (Python 3.12) gets the reason, which the test reports as SkyRL's skip.
+    return venv_python("SkyRL", "TITO_TRAINERS_BUILD", "TITO_TRAINERS_VENV", "trainers")
 
 
 class _Driver:
@@ -103,8 +101,7 @@ def drivers(server: ServerProcess) -> dict[str, _Driver | str]:
     out["trl"] = (_Driver(sys.executable, "trl_driver.py", server.url) if importlib.util.find_spec("trl")
                   else "trl is not installed (make test installs the test extra)")
     py = _trainers_python()
-    out["skyrl"] = (_Driver(py, "skyrl_driver.py", server.url, model) if py
-                    else "SkyRL's venv is missing: make trainers (TITO_TRAINERS_VENV)")
+    out["skyrl"] = py if isinstance(py, str) else _Driver(py, "skyrl_driver.py", server.url, model)
     running = [d for d in out.values() if isinstance(d, _Driver)]
     for d in running:
         d.wait_ready()
@@ -355,8 +352,7 @@ def lora_drivers(lora_server: Any) -> dict[str, _Driver | str]:
     out["trl"] = (_Driver(sys.executable, "trl_driver.py", url, ADAPTER) if importlib.util.find_spec("trl")
                   else "trl is not installed (make test installs the test extra)")
     py = _trainers_python()
-    out["skyrl"] = (_Driver(py, "skyrl_driver.py", url, ADAPTER, "score") if py
-                    else "SkyRL's venv is missing: make trainers (TITO_TRAINERS_VENV)")
+    out["skyrl"] = py if isinstance(py, str) else _Driver(py, "skyrl_driver.py", url, ADAPTER, "score")
     running = [d for d in out.values() if isinstance(d, _Driver)]
     for d in running:
         d.wait_ready()

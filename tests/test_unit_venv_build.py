@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.venv_build import wait_for_build
+from tests.venv_build import venv_python, wait_for_build
 
 
 def test_no_build_under_way_returns_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -36,3 +36,22 @@ def test_a_build_ends_well_or_fails_the_caller(monkeypatch: pytest.MonkeyPatch, 
         return
     with pytest.raises((RuntimeError, TimeoutError), match=error):  # no wait: each ends at its first look
         wait_for_build("TITO_X_BUILD", "X", timeout=0 if "still building" in error else 60)
+
+
+def test_a_machine_without_a_prerequisite_skips_saying_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The Makefile's ``-bg`` target writes ``skip: <what is missing>`` instead of building (no Python 3.12, say): the
+    caller gets that reason to skip with, not a failure; a finished build without the venv names the make target."""
+    log = tmp_path / "venv-x.build.log"
+    log.write_text("SkyRL's client needs Python 3.12 (python3.12 not found)\n")
+    Path(f"{log}.rc").write_text("skip: SkyRL's client needs Python 3.12 (python3.12 not found)\n")
+    monkeypatch.setenv("TITO_X_BUILD", str(log))
+    monkeypatch.setenv("TITO_X_VENV", str(tmp_path / "venv-x"))
+    why = "SkyRL's client needs Python 3.12 (python3.12 not found)"
+    assert wait_for_build("TITO_X_BUILD", "X", timeout=0) == why
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == why
+    Path(f"{log}.rc").write_text("0\n")
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == "X's venv is missing: make x (TITO_X_VENV)"
+    (tmp_path / "venv-x" / "bin").mkdir(parents=True)
+    (tmp_path / "venv-x" / "bin" / "python").write_text("")
+    (tmp_path / "venv-x" / ".installed").write_text("")
+    assert venv_python("X", "TITO_X_BUILD", "TITO_X_VENV", "x") == tmp_path / "venv-x" / "bin" / "python"

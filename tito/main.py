@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
@@ -36,6 +37,12 @@ from app.weights.delta_check import stop_process as stop_staging_process
 log = logging.getLogger("tito")
 
 
+# A stop signal to tito's whole process group (Ctrl-C in a terminal, systemd's default control-group stop) reaches the
+# EngineCore too, which can exit before tito's own handler has run: an engine that stops within this long of a stop
+# signal to tito is part of the shutdown, not a death.
+STOP_SIGNAL_GRACE_S = 1.0
+
+
 async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) -> None:
     """Notice a dead EngineCore at once (vLLM only raises on the next call), record when and why, and by default
     exit non-zero after a short grace so a supervisor restarts the server."""
@@ -45,10 +52,13 @@ async def _watch_engine(app: FastAPI, state: AppState, interval: float = 0.1) ->
     state.ready = False
     if state.sidecar is not None and state.sidecar.wanted:
         # Out of discovery before anything else: nothing behind this worker any more.
-        log.error("engine is dead (%s): leaving the fleet", cause)
+        log.warning("engine stopped (%s): leaving the fleet", cause)
         await state.sidecar.withdraw("engine dead")
-    if state.shutting_down:
-        # E.g. Ctrl-C in a terminal reaches the EngineCore too; the shutdown already under way finishes the job.
+    deadline = time.monotonic() + STOP_SIGNAL_GRACE_S
+    while not (state.shutting_down or app.state.stop_signalled) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if state.shutting_down or app.state.stop_signalled:
+        # E.g. Ctrl-C in a terminal reaches the EngineCore too; the shutdown under way finishes the job.
         log.warning("engine stopped during shutdown: %s", cause)
         return
     log.error("engine is dead: %s", cause)
@@ -213,6 +223,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                   description="Token-in/token-out inference server for RL rollouts, on vLLM.", **docs)
     app.state.settings = settings
     app.state.engine_override = engine
+    app.state.stop_signalled = False  # set by the server's signal handler (app/server/lifecycle.py)
     app.state.services = _services(settings)
     app.state.sidecar = None
     if settings.dynamo_namespace:

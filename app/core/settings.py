@@ -65,7 +65,8 @@ class Settings:
         "first start of a shape compiles for minutes at real shapes, vLLM caches it): --enforce-eager for quick "
         "starts on small models. On CPU --enable-return-routed-experts implies it.")
     gpu_memory_utilization: float | None = flag(
-        None, "Fraction of device memory for vLLM (CPU: of the NUMA node's RAM; default 0.3 on CPU, 0.9 on GPU).")
+        None, "Fraction of device memory for vLLM (CPU: of the NUMA node's RAM; default 0.3 on CPU, vLLM's 0.92 on "
+        "GPU).")
     num_kv_blocks: int | None = flag(
         None, "Fix the number of KV cache blocks (vLLM's num_gpu_blocks_override): caps KV memory exactly; small "
         "values make the scheduler preempt under load.")

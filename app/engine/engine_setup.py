@@ -44,11 +44,9 @@ def cpu_safe_defaults(settings: Settings) -> dict[str, Any]:
     prefill (a step of at most 2,048 tokens; seeded requests need tito's fix to vLLM's CPU rewind for it,
     app/engine/vllm_patches.py). Router replay on CPU captures only eagerly, so it implies ``--enforce-eager``.
     """
-    if not on_cpu():
-        return {
-            "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
-            "enforce_eager": not compiles(settings),
-        }
+    if not on_cpu():  # vLLM's own defaults (0.92 of the GPU's memory) unless the flag is given
+        given = settings.gpu_memory_utilization
+        return {**({} if given is None else {"gpu_memory_utilization": given}), "enforce_eager": not compiles(settings)}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gib:g}"
     return {"gpu_memory_utilization": settings.gpu_memory_utilization or 0.3, "enforce_eager": not compiles(settings)}

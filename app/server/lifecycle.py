@@ -61,6 +61,7 @@ class TitoServer(uvicorn.Server):
         # A signal handler: only record; ``on_tick`` (every 0.1 s on the loop) acts on it. Unlike uvicorn's handler
         # this does not re-raise the signal after shutdown, so a clean drain exits 0.
         self._signals.append(sig)
+        self.app.state.stop_signalled = True  # the engine watcher reads it (tito/main.py: a group signal)
         if getattr(self.app.state, "tito", None) is None:
             # Still starting (or already stopped): nothing to drain.
             self.should_exit = True

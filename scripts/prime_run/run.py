@@ -20,10 +20,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -33,20 +34,50 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PRIME_RL_SRC = Path(os.environ.get("TITO_PRIME_RL_SRC", ROOT.parent / "shared" / "thirdparty" / "prime-rl"))
 PRIME_RL_VENV = Path(os.environ.get("TITO_PRIME_RL_VENV", Path.home() / ".cache" / "tito" / "venv-prime-rl"))
+REQUIREMENTS = ROOT / "tests" / "trainer_clients" / "prime-rl-requirements.txt"
 TASKSET = "tito-even"
+# A proxy nothing listens on: Prime-RL's processes reach the run's own hosts (NO_PROXY) and nothing else.
+NO_ROUTE = "http://127.0.0.1:9"
 
 
 
 
 def prime_rl_missing() -> str | None:
-    """Why Prime-RL's processes cannot run here (None when they can). ``make test`` builds Prime-RL's venv in the
-    background (``prime-rl-bg``): this waits for that build to end first, and its failure is an error, not a reason."""
-    wait_for_build("TITO_PRIME_RL_BUILD", "Prime-RL")
+    """Why Prime-RL's processes cannot run here (None when they can): a prerequisite this machine lacks (its source
+    snapshot, a venv that was not built). ``make test`` builds Prime-RL's venv in the background (``prime-rl-bg``):
+    this waits for that build to end first, and its failure is an error, not a reason; so is a venv whose harness
+    environment is not prepared (set-up's job: ``make prime-rl``), since the run would otherwise resolve it."""
+    if (why := wait_for_build("TITO_PRIME_RL_BUILD", "Prime-RL")) is not None:
+        return why
     if not (PRIME_RL_SRC / "src" / "prime_rl").is_dir():
         return f"Prime-RL's source snapshot is not at {PRIME_RL_SRC} (set TITO_PRIME_RL_SRC)"
     if not (PRIME_RL_VENV / ".installed").is_file():
         return f"Prime-RL's venv is not built at {PRIME_RL_VENV} (make prime-rl)"
+    check = subprocess.run([str(PRIME_RL_VENV / "bin" / "python"), str(HERE / "harness_env.py"), "check",
+                            str(REQUIREMENTS)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if check.returncode != 0:
+        raise RuntimeError(f"Prime-RL's harness environment is not prepared (make prime-rl):\n{check.stderr.strip()}")
     return None
+
+
+def stop_in_order(p: subprocess.Popen[bytes], timeout: float = 60) -> int | None:
+    """Stop a server as a supervisor does: SIGTERM to its own process only, so it ends its children in its order (tito
+    drains, leaves Dynamo's discovery, stops its sidecar and then its engine, which must not be signalled first: an
+    engine core that gets the signal before tito logs itself dead); whatever of its process group is left after
+    ``timeout`` (or after it exited) is SIGKILLed. Returns its exit code (None if it had to be killed)."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        code: int | None = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if code is None:
+        p.wait(timeout=30)
+    return code
 
 
 def free_port() -> int:
@@ -64,15 +95,26 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def prime_env() -> dict[str, str]:
+def prime_env(hosts: Iterable[str] = ()) -> dict[str, str]:
     """The environment of Prime-RL's processes: the stand-ins first (see standins/README.md), then the taskset, then
-    Prime-RL's source; its venv's bin first on PATH (the env-server's chat program runs through its ``uv``)."""
+    Prime-RL's source; its venv's bin first on PATH (the env-server's harness program runs through its ``uv``).
+
+    Nothing is installed or resolved at run time: uv runs offline from the harness's pinned lock
+    (``harness_env.py``, made at set-up; a program without one fails instead of resolving), pip has no index, and
+    HTTP(S) goes through a proxy nothing listens on except to loopback and ``hosts`` (the run's servers), so
+    verifiers' fetch of the newest uv before each harness program (``pip install --user uv``, then astral.sh's
+    installer) falls back to the venv's pinned uv on every machine, not only on one without internet."""
     paths = [HERE / "standins", HERE / "env", PRIME_RL_SRC / "src",
              PRIME_RL_SRC / "packages" / "prime-rl-configs" / "src"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    no_proxy = ",".join(dict.fromkeys(["localhost", "127.0.0.1", "::1", *hosts]))
     env.update(PYTHONPATH=os.pathsep.join(map(str, paths)), PATH=f"{PRIME_RL_VENV / 'bin'}{os.pathsep}{env['PATH']}",
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               LOGURU_COLORIZE="0", NO_COLOR="1")
+               LOGURU_COLORIZE="0", NO_COLOR="1", UV_OFFLINE="1", UV_FROZEN="1", UV_PYTHON_DOWNLOADS="never",
+               PIP_NO_INDEX="1", http_proxy=NO_ROUTE, https_proxy=NO_ROUTE, HTTP_PROXY=NO_ROUTE,
+               HTTPS_PROXY=NO_ROUTE, no_proxy=no_proxy, NO_PROXY=no_proxy)
+    for name in ("all_proxy", "ALL_PROXY"):
+        env.pop(name, None)
     return env
 
 
@@ -118,9 +160,15 @@ class PrimeRun:
     max_tokens: int = 32
     lr: float = 1e-3
     max_off_policy_steps: int | None = None
+    train_layers: int = 0  # the stand-in trainer's --train-layers (0: the whole model)
+    trainer_threads: int = 0  # its --threads (0: torch's default, one per core)
     timeout: float = 1800.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     run_dir: Path | None = None
+
+    def hosts(self) -> list[str]:
+        """The hosts of the run's servers (the data plane and every admin URL)."""
+        return [h for u in (self.base_url, *self.admin_urls) if (h := urlsplit(u).hostname)]
 
     # ------------------------------------------------------------------------------------------------ configs
     def rl_toml(self) -> str:
@@ -164,7 +212,7 @@ class PrimeRun:
         log = self.out / "rl-launcher.log"
         with log.open("wb") as f:
             rc = subprocess.run([str(PRIME_RL_VENV / "bin" / "python"), "-m", "prime_rl.entrypoints.rl", "@",
-                                 str(self.out / "rl.toml"), "--dry-run"], env=prime_env(), stdout=f,
+                                 str(self.out / "rl.toml"), "--dry-run"], env=prime_env(self.hosts()), stdout=f,
                                 stderr=subprocess.STDOUT, timeout=300, cwd=self.out).returncode
         runs = sorted((self.out / "prime-rl").glob("*/configs/orchestrator.json"))
         if rc != 0 or not runs:
@@ -175,7 +223,7 @@ class PrimeRun:
     # ------------------------------------------------------------------------------------------------ processes
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (self.out / f"{name}.log").open("wb")
-        p = subprocess.Popen(argv, env=prime_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.out,
+        p = subprocess.Popen(argv, env=prime_env(self.hosts()), stdout=log, stderr=subprocess.STDOUT, cwd=self.out,
                              process_group=0)
         self.procs[name] = p
         return p
@@ -187,7 +235,8 @@ class PrimeRun:
         envs = sorted((cfg / "envs" / "train").glob("*.json"))
         self._start("env-server", [py, "-m", "prime_rl.entrypoints.env_server", "@", str(envs[0])])
         self._start("trainer", [py, str(HERE / "trainer.py"), "@", str(cfg / "trainer.json"),
-                                "--model-dir", str(self.model_dir)])
+                                "--model-dir", str(self.model_dir), "--train-layers", str(self.train_layers),
+                                "--threads", str(self.trainer_threads)])
         self._start("orchestrator", [py, "-m", "prime_rl.entrypoints.orchestrator", "@",
                                      str(cfg / "orchestrator.json")])
 
