@@ -31,6 +31,7 @@ Qwen3-0.6B's shape, 7.3 of 8.0 GB at 4B's), nothing on CUDA; any other load (dis
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -53,6 +54,10 @@ from app.engine.weight_markers import BUFFER_SUFFIXES, UNTOUCHED, inject_fault
 from app.engine.worker_prebuild import Pending, Prebuilt, kernel_of, prebuild_ok, swap_in, timed_build
 
 log = logging.getLogger("tito.worker.delta")
+
+# Bytes per element of safetensors' dtypes (the copy's size, from the headers alone).
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclass
@@ -156,16 +161,24 @@ class DeltaWorker:
         t0 = time.perf_counter()
         try:
             shapes: dict[str, tuple[int, ...]] = {}
+            sizes: dict[str, int] = {}
             for f in files:
                 with safe_open(f, framework="pt") as st:
                     for name in st.keys():
                         if not name.endswith(BUFFER_SUFFIXES):
-                            shapes[name] = tuple(st.get_slice(name).get_shape())
+                            sl = st.get_slice(name)
+                            shapes[name] = tuple(sl.get_shape())
+                            sizes[name] = math.prod(shapes[name]) * _ITEMSIZE.get(sl.get_dtype(), 4)
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             packed = dict(getattr(model, "packed_modules_mapping", None) or {})
             plans, where = layout_plans(model, self.vllm_config, shapes, packed)  # type: ignore[attr-defined]
             tensors: dict[str, Any] = {}
             copied = [n for n in shapes if plans.get(n) is None]
+            need = sum(sizes[n] for n in copied)
+            if copy_dir is None and need > available_bytes() - (2 << 30):
+                raise RuntimeError(f"the copy of the weights a delta is added to ({need / 1e9:.1f} GB) does not fit "
+                                   f"in the host's available memory ({available_bytes() / 1e9:.1f} GB): start tito "
+                                   "with --delta-copy file (a memory-mapped file the kernel can page out)")
             for f in files:
                 with safe_open(f, framework="pt") as st:
                     dtypes = {n: st.get_slice(n).get_dtype() for n in st.keys() if n in copied}
@@ -348,6 +361,14 @@ class DeltaWorker:
             for module_path in sorted({c.where[n][0] for n in touched if n in c.where}):
                 if p.cancelled:
                     break
+                if not memory_to_spare():
+                    # Each layer processed ahead holds a second (packed) copy of its weights until the commit: the
+                    # rest reload under the pause rather than the worker running out of memory (at Qwen3-4B's
+                    # shape on a 24 GB host all of them would not fit beside the served ones).
+                    log.warning("delta %s: %d layers processed ahead, then the host's memory ran short (%.1f GB "
+                                "available): the other touched layers reload at commit", p.version,
+                                len(p.prebuilt), available_bytes() / 1e9)
+                    break
                 module = model.get_submodule(module_path)
                 if not prebuild_ok(module, shared, quantized):
                     continue
@@ -381,7 +402,7 @@ class DeltaWorker:
         for w in writes:
             module_path, pname, _ = c.where[w.name]
             module = model.get_submodule(module_path)
-            if id(module._parameters.get(pname)) not in shared or not kernel_of(module):
+            if id(module._parameters.get(pname)) not in shared or not kernel_of(module) or not memory_to_spare():
                 continue
             target = w.param.detach().clone()
             w.apply(into=target)
@@ -472,6 +493,21 @@ class DeltaWorker:
             fn = getattr(runner, reset, None)
             if fn is not None:
                 fn()
+
+
+def available_bytes() -> int:
+    """Memory the system can still give (``MemAvailable``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_to_spare(floor: float = 0.08, at_least: int = 2 << 30) -> bool:
+    """Whether preparing one more layer ahead leaves the host a margin (``floor`` of its memory, at least
+    ``at_least`` bytes): a delta's preparation must never be what pushes the engine out of memory."""
+    import psutil
+
+    return available_bytes() > max(at_least, floor * psutil.virtual_memory().total)
 
 
 def give_back_memory(delay: float = 1.0) -> None:
