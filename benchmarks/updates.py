@@ -22,8 +22,10 @@ read a warm page cache.
 
 ``--soak N``: tito only, N full updates under the streams, memory after each (1.5 s after resume), and the slope.
 
-Every server runs eager (``--enforce-eager``): an update's time does not depend on torch.compile (the reload
-re-processes the weights, it does not recompile).
+``--modes``: each system at its defaults (``default``: both compile with torch.compile) and eager
+(``eager``: ``--enforce-eager``), each a fresh server of its own in the same round; ratios are taken within a round
+and a mode. ``--profile``: py-spy samples each server's engine process during its timed updates (collapsed stacks
+under the work directory) and the report gives the update's time by the frames it went to.
 
     python -m benchmarks updates --model models/qwen3-0.6b --rounds 2 --repeat 5      # make bench-updates
     python -m benchmarks updates --model models/qwen3-0.6b --soak 20
@@ -46,9 +48,9 @@ from typing import Any
 import httpx
 
 from benchmarks.clients import Streams
-from benchmarks.probes import Sampler, read_speed
+from benchmarks.probes import Sampler, Spy, engine_pid, read_speed, tree_cpu_s
 from benchmarks.report import slope, spread
-from benchmarks.servers import ROOT, module_cmd, port_in, server_cmd, start
+from benchmarks.servers import ROOT, module_cmd, port_in, reverse_odd, server_cmd, start
 
 PAUSE = {"mode": "keep", "clear_cache": "false"}  # Prime-RL's pause
 
@@ -63,17 +65,21 @@ def checkpoint_files(model: Path) -> list[Path]:
 class Server:
     """One system, started fresh, with its streams and memory sampler; ``update()`` runs one timed update."""
 
-    def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int) -> None:
-        from tests.helpers import engine_env
+    def __init__(self, system: str, model: Path, work: Path, streams: int, max_len: int, mode: str = "eager",
+                 tito_args: str = "") -> None:
+        from tests.helpers import EAGER_ENV, engine_env
 
-        self.system, self.model, self.work = system, model, work
+        self.system, self.model, self.work, self.mode = system, model, work, mode
         port = port_in()
-        extra = f"--enforce-eager --max-model-len {max_len}"
+        extra = f"--max-model-len {max_len}" + (" --enforce-eager" if mode == "eager" else "")
         if system == "tito":
-            extra += f" --allowed-weight-root {work} --allowed-weight-root {model}"
-        env = engine_env({"VLLM_SERVER_DEV_MODE": "1"} if system == "vllm" else None)
+            extra += f" --allowed-weight-root {work} --allowed-weight-root {model} {tito_args}"
+        # At its defaults tito compiles, as vLLM's server does: the suite's eager default for tito is lifted.
+        env = engine_env({"VLLM_SERVER_DEV_MODE": "1" if system == "vllm" else None,
+                          EAGER_ENV: "1" if mode == "eager" else None})
         t0 = time.monotonic()
-        self.proc = start(server_cmd(system, str(model), port, True, extra), port, work / f"{system}-{port}.log", env)
+        self.proc = start(server_cmd(system, str(model), port, True, extra), port,
+                          work / f"{system}-{mode}-{port}.log", env)
         self.start_s = time.monotonic() - t0
         try:
             self.pid = self.proc.proc.pid
@@ -104,11 +110,11 @@ class Server:
         steady = self.mem.steady(t0)
         tpot = self.streams.interval(t0)
         self.post("/pause", params=PAUSE)
-        t1 = time.monotonic()
+        t1, cpu1 = time.monotonic(), tree_cpu_s(self.pid)
         try:
             answer = call()
         finally:
-            t2 = time.monotonic()
+            t2, cpu2 = time.monotonic(), tree_cpu_s(self.pid)
             self.post("/resume")
         t3 = time.monotonic()
         self.streams.after(t3)
@@ -118,14 +124,15 @@ class Server:
         answer = answer or {}
         nbytes = int(answer.get("bytes") or nbytes)
         row: dict[str, Any] = {
-            "system": self.system, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
-            "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "bytes": nbytes, "gbps": nbytes / (t2 - t1) / 1e9,
+            "system": self.system, "mode": self.mode, "kind": kind, "update_s": t2 - t1, "pause_s": t3 - t0,
+            "gap_s": self.streams.gap(t0, t3), "token_s": tpot, "cpu_s": cpu2 - cpu1, "bytes": nbytes,
+            "gbps": nbytes / (t2 - t1) / 1e9,
             "server_s": answer.get("seconds"), "reload_s": answer.get("reload_seconds"),
-            "retie_s": answer.get("retie_seconds"),
+            "retie_s": answer.get("retie_seconds"), "workers": answer.get("workers"),
             "steady_rss": steady[0], "steady_anon": steady[1],
             "peak_rss_above": peak[0] - steady[0], "peak_anon_above": peak[1] - steady[1],
             "after_rss_above": after[0] - steady[0], "after_anon_above": after[1] - steady[1]}
-        print(f"{self.system} {kind}: update {row['update_s']:.2f}s ({row['gbps']:.2f} GB/s), "
+        print(f"{self.system} ({self.mode}) {kind}: update {row['update_s']:.2f}s ({row['gbps']:.2f} GB/s), "
               f"pause {row['pause_s']:.2f}s, stream gap {row['gap_s']:.2f}s (token {tpot * 1000:.0f} ms), "
               f"peak +{row['peak_rss_above'] / 1e9:.2f} GB RSS (+{row['peak_anon_above'] / 1e9:.2f} anon), "
               f"after +{row['after_rss_above'] / 1e9:.2f} GB",
@@ -147,12 +154,15 @@ def tito_deltas(s: Server, steps: list[Path], base: str) -> list[dict[str, Any]]
     rows = []
     for k, d in enumerate(steps):
         version = f"delta-{s.n}-{k}"
+        time.sleep(3.0)  # a rate to compare with
         t0 = time.monotonic()
         staged = s.post("/stage", data={"version": version, "mode": "delta", "base_version": base, "path": str(d)})
-        stage_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        # Generation while the stage is checked and made ready, against the 3 s before (tokens the streams got).
+        rate = s.streams.rate(t0, t1) / max(s.streams.rate(t0 - 3.0, t0), 1e-9)
         row = s.update("delta", lambda v=version: s.post("/commit", data={"version": v, "mode": "delta"}),
                        (d / "delta.stream").stat().st_size)
-        row.update(first=k == 0, stage_s=stage_s, ready=staged.get("ready"))
+        row.update(first=k == 0, stage_s=t1 - t0, ready=staged.get("ready"), staging_rate=rate)
         rows.append(row)
         base = version
     s.n += 1
@@ -182,8 +192,9 @@ def tito_broadcasts(s: Server, repeat: int) -> list[dict[str, Any]]:
                 (d / "NCCL_READY").touch()  # the orchestrator's signal to the trainer
                 return s.post("/update_weights", json={"weight_dir": str(d), "weight_version": f"bcast-{s.n}-{i}"})
 
+            c0 = tree_cpu_s(sender.pid)
             row = s.update("broadcast", call, 0)
-            row["first"] = i == 0
+            row.update(first=i == 0, sender_cpu_s=tree_cpu_s(sender.pid) - c0)  # the trainer shares the cores
             rows.append(row)
         sender.wait(120)
     finally:
@@ -221,35 +232,51 @@ def run_sender(port: int, model: Path, step_dirs: list[Path]) -> int:
 def delta_chain(model: Path, work: Path, n: int, fraction: float) -> list[Path]:
     """``n`` chained sparse deltas (delta.stream) from the model's weights, each moving ``fraction`` of every tensor's
     elements; written once per work directory (a ``done`` marker per step, under a file lock: two runs may share the
-    directory)."""
+    directory), one tensor at a time (a 4B model's chain without two copies of it in memory)."""
     import fcntl
+    import zlib
 
     steps = [work / "chain" / f"step_{k}" for k in range(1, n + 1)]
     with (work / "chain.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if all((d / "done").exists() for d in steps):
             return steps
-        from safetensors.torch import load_file
+        import torch
+        from safetensors import safe_open
 
-        from tests.delta_encoder import perturb, write_delta
+        from tests.delta_encoder import StreamWriter, perturb_tensor, stream_order, tensor_delta
 
-        sd = {}
+        where = {}
         for f in checkpoint_files(model):
-            sd.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                where.update({name: f for name in st.keys()})
+        writers = [StreamWriter(d / "delta.stream") for d in steps]
+        try:
+            for name in sorted(where, key=stream_order):
+                with safe_open(str(where[name]), framework="pt") as st:
+                    t = st.get_tensor(name)
+                for k, w in enumerate(writers, start=1):
+                    gen = torch.Generator().manual_seed(1000 * k + zlib.crc32(name.encode()))
+                    target = perturb_tensor(t, fraction, gen, scale=0.01)
+                    idx, vals = tensor_delta(t, target)
+                    if idx.numel():
+                        w.add(name, list(t.shape), idx, vals)
+                    t = target
+        finally:
+            for w in writers:
+                w.close()
         for k, d in enumerate(steps, start=1):
-            target = perturb(sd, fraction, 1000 + k, scale=0.01)
-            if not (d / "done").exists():
-                write_delta(d / "delta.stream", sd, target)
-                (d / "done").touch()
-                print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
-            sd = target
+            (d / "done").touch()
+            print(f"delta {k}: {(d / 'delta.stream').stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
     return steps
 
 
 # ------------------------------------------------------------------------------------------ runs and the report
 
 
-def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[str, Any]:
+def run_system(system: str, mode: str, a: argparse.Namespace, steps: list[Path]) -> dict[str, Any]:
+    import contextlib
+
     import psutil
 
     files = checkpoint_files(a.model)
@@ -262,17 +289,21 @@ def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[st
         print(f"{system}: skipped, {free / 1e9:.1f} GB available < {need / 1e9:.1f} GB", file=sys.stderr, flush=True)
         return {"skipped": f"{free / 1e9:.1f} GB available, {need / 1e9:.1f} GB needed", "rows": []}
     reads = read_speed(files)
-    print(f"{system}: read {reads}", file=sys.stderr, flush=True)
-    s = Server(system, a.model, a.work, a.streams, a.max_model_len)
+    print(f"{system} ({mode}): read {reads}", file=sys.stderr, flush=True)
+    s = Server(system, a.model, a.work, a.streams, a.max_model_len, mode, a.tito_args)
     out: dict[str, Any] = {"start_s": s.start_s, "read": reads, "rows": []}
     try:
         s.full("warm-up")  # the first update of a server pays one-time costs
-        if system == "vllm" or "full" in a.kinds:
-            out["rows"] += [s.full() for _ in range(a.repeat)]
-        if system == "tito" and "delta" in a.kinds:
-            out["rows"] += tito_deltas(s, steps, f"full-{s.n}")
-        if system == "tito" and "broadcast" in a.kinds:
-            out["rows"] += tito_broadcasts(s, a.repeat)
+        stacks = a.work / f"stacks-{system}-{mode}-{time.strftime('%H%M%S')}.txt"
+        with Spy(engine_pid(s.pid), stacks) if a.profile else contextlib.nullcontext():
+            if system == "vllm" or "full" in a.kinds:
+                out["rows"] += [s.full() for _ in range(a.repeat)]
+            if system == "tito" and "delta" in a.kinds:
+                out["rows"] += tito_deltas(s, steps, f"full-{s.n}")
+            if system == "tito" and "broadcast" in a.kinds:
+                out["rows"] += tito_broadcasts(s, a.repeat)
+        if a.profile:
+            out["profile"] = str(stacks)
         out["stream_errors"] = s.streams.errors
     finally:
         s.close()
@@ -280,7 +311,7 @@ def run_system(system: str, a: argparse.Namespace, steps: list[Path]) -> dict[st
 
 
 def soak(a: argparse.Namespace) -> dict[str, Any]:
-    s = Server("tito", a.model, a.work, a.streams, a.max_model_len)
+    s = Server("tito", a.model, a.work, a.streams, a.max_model_len, a.modes.split(",")[0], a.tito_args)
     try:
         s.full("warm-up")
         rows = [s.full("soak") for _ in range(a.soak)]
@@ -297,56 +328,95 @@ LABELS = {("tito", "full"): "tito: full update from disk (`/update_weights`)",
           ("vllm", "full"): "vLLM's server: `reload_weights` (`/collective_rpc`)",
           ("tito", "delta"): "tito: staged delta commit (`/commit`)",
           ("tito", "broadcast"): "tito: broadcast over gloo (`/update_weights`)"}
+# The issue's goals, on the pause a stream saw, each within a round and a mode: (kind, against, at most).
+GOALS = (("full", ("vllm", "full"), 1.0), ("delta", ("vllm", "full"), 0.2), ("broadcast", ("tito", "full"), 1.1))
 
 
 def report(res: dict[str, Any]) -> str:
     rounds = res["rounds"]
-    size = res["checkpoint_bytes"]
-    lines = [f"{res['model']}: checkpoint {size / 1e9:.2f} GB (largest file {res['largest_file'] / 1e9:.2f} GB), "
-             f"{len(rounds)} round(s), {res['streams']} streams; min / median / max", "",
-             "| update | n | seconds | GB/s | pause, client (pause → resume answered) s | pause a stream saw s | "
-             "token interval before ms | peak RSS above steady GB | peak anon above GB | RSS after, above GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    rows = [r for rd in rounds for sysres in rd.values() for r in sysres["rows"]
+    size, largest = res["checkpoint_bytes"], res["largest_file"]
+    rows = [{**r, "mode": r.get("mode", "eager")} for rd in rounds for sysres in rd.values() for r in sysres["rows"]
             if r["kind"] in ("full", "delta", "broadcast") and not r.get("first")]
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: m != "default")
+    lines = [f"{res['model']}: checkpoint {size / 1e9:.2f} GB (largest file {largest / 1e9:.2f} GB), "
+             f"{len(rounds)} round(s), {res['streams']} streams; min / median / max", "",
+             "| update | engine | n | seconds | GB/s | pause, client (pause → resume answered) s | "
+             "pause a stream saw s | token interval before ms | steady RSS GB | peak RSS above steady GB | "
+             "peak anon above GB | RSS after, above GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (system, kind), label in LABELS.items():
-        xs = [r for r in rows if r["system"] == system and r["kind"] == kind]
-        if not xs:
-            continue
-        lines.append(f"| {label} | {len(xs)} | {spread([r['update_s'] for r in xs])} | "
-                     f"{spread([r['gbps'] for r in xs])} | {spread([r['pause_s'] for r in xs])} | "
-                     f"{spread([r['gap_s'] for r in xs])} | {spread([r['token_s'] * 1000 for r in xs], '{:.0f}')} | "
-                     f"{spread([r['peak_rss_above'] / 1e9 for r in xs])} | "
-                     f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
-                     f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
-    reads = [rd[s]["read"] for rd in rounds for s in rd if "read" in rd[s]]
-    skipped = [f"{s}: {rd[s]['skipped']}" for rd in rounds for s in rd if "skipped" in rd[s]]
+        for mode in modes:
+            xs = [r for r in rows if r["system"] == system and r["kind"] == kind and r["mode"] == mode]
+            if not xs:
+                continue
+            lines.append(f"| {label} | {mode} | {len(xs)} | {spread([r['update_s'] for r in xs])} | "
+                         f"{spread([r['gbps'] for r in xs])} | {spread([r['pause_s'] for r in xs])} | "
+                         f"{spread([r['gap_s'] for r in xs])} | "
+                         f"{spread([r['token_s'] * 1000 for r in xs], '{:.0f}')} | "
+                         f"{spread([r['steady_rss'] / 1e9 for r in xs])} | "
+                         f"{spread([r['peak_rss_above'] / 1e9 for r in xs])} | "
+                         f"{spread([r['peak_anon_above'] / 1e9 for r in xs])} | "
+                         f"{spread([r['after_rss_above'] / 1e9 for r in xs])} |")
+    for mode in modes:
+        here = [r for r in rows if r["mode"] == mode]
+        ds = [r for r in here if r["kind"] == "delta" and "stage_s" in r]
+        if ds:
+            lines.append(f"Staged deltas ({mode}): the stage answered in {spread([r['stage_s'] for r in ds])} s, "
+                         f"ready for its commit in {sum(bool(r['ready']) for r in ds)} of {len(ds)}; generation "
+                         f"while staging, against the 3 s before: "
+                         f"{spread([r['staging_rate'] for r in ds if 'staging_rate' in r])}")
+        bs = [r["sender_cpu_s"] for r in here if r["kind"] == "broadcast" and "sender_cpu_s" in r]
+        if bs:
+            lines.append(f"Broadcasts ({mode}): the trainer process's CPU over each (it shares the machine's cores): "
+                         f"{spread(bs)} s")
+        cpu = {label.split(" (")[0]: [r["cpu_s"] for r in here if (r["system"], r["kind"]) == key and "cpu_s" in r]
+               for key, label in LABELS.items()}
+        if any(cpu.values()):
+            lines.append(f"CPU seconds of the server's processes over the update call ({mode}): "
+                         + "; ".join(f"{k} {spread(v)}" for k, v in cpu.items() if v))
+    entries = [(k, v) for rd in rounds for k, v in rd.items()]
+    reads = [v["read"] for _, v in entries if "read" in v]
     lines += ["", f"File read speed of the same files, GB/s: cold {spread([r['cold_gbps'] for r in reads])}, "
                   f"warm {spread([r['warm_gbps'] for r in reads])}"]
-    tito = [r for r in rows if r["system"] == "tito" and r["kind"] == "full"]
-    own = [r["update_s"] - r["reload_s"] for r in tito if r.get("reload_s") is not None]
-    if own:
-        lines.append(f"Inside tito's full updates: vLLM's reload {spread([r['reload_s'] for r in tito])} s, tito's own "
-                     f"part (the tied head re-processed, validation, record, HTTP) {spread(own, '{:.3f}')} s")
-        retie = [r["retie_s"] for r in tito if r.get("retie_s")]
-        if retie:
-            lines.append(f"... of which the tied head re-processed after the reload: {spread(retie, '{:.3f}')} s")
-    by_round = [(rd["tito"]["rows"], rd["vllm"]["rows"]) for rd in rounds if "tito" in rd and "vllm" in rd]
-    for kind, key, goal in (("full", "update_s", "≤ 1.1"), ("full", "gap_s", ""), ("delta", "gap_s", "≤ 0.3"),
-                            ("broadcast", "gap_s", "")):
-        ratios = []
-        for t, v in by_round:
-            ts = [r[key] for r in t if r["kind"] == kind and not r.get("first")]
-            vs = [r[key] for r in v if r["kind"] == "full"]
-            if ts and vs:
-                ratios.append(statistics.median(ts) / statistics.median(vs))
-        if ratios:
-            lines.append(f"tito {kind} / vLLM's reload, {key} (round medians, round by round): {spread(ratios)}"
-                         + (f" (goal {goal})" if goal else ""))
+    for mode in modes:
+        tito = [r for r in rows if r["system"] == "tito" and r["kind"] == "full" and r["mode"] == mode]
+        own = [r["update_s"] - r["reload_s"] for r in tito if r.get("reload_s") is not None]
+        if own:
+            retie = [r["retie_s"] for r in tito if r.get("retie_s") is not None]
+            lines.append(f"Inside tito's full updates ({mode}): vLLM's reload {spread([r['reload_s'] for r in tito])} "
+                         f"s; the tied head after it {spread(retie, '{:.3f}')} s; the rest (validation, record, HTTP) "
+                         f"{spread([o - r.get('retie_s', 0.0) for o, r in zip(own, tito, strict=False)], '{:.3f}')} s")
+    lines += ["", "Goals, the pause a stream saw, the ratio of the round medians, round by round (min / median / max):"]
+    for mode in modes:
+        for kind, (against, akind), goal in GOALS:
+            ratios = []
+            for rd in rounds:
+                here = [r for sysres in rd.values() for r in sysres["rows"] if r.get("mode", "eager") == mode
+                        and not r.get("first")]
+                ts = [r["gap_s"] for r in here if r["system"] == "tito" and r["kind"] == kind]
+                vs = [r["gap_s"] for r in here if r["system"] == against and r["kind"] == akind]
+                if ts and vs:
+                    ratios.append(statistics.median(ts) / statistics.median(vs))
+            if ratios:
+                met = "met" if max(ratios) <= goal else "missed"
+                lines.append(f"- {mode}: tito {kind} / {LABELS[(against, akind)].split(':')[0]} {akind}: "
+                             f"{spread(ratios)} (goal ≤ {goal}: {met})")
+        peaks = [r["peak_rss_above"] for r in rows if r["mode"] == mode]
+        if peaks:
+            lines.append(f"- {mode}: peak RSS above steady, every update: at most {max(peaks) / 1e9:.2f} GB (goal ≤ "
+                         f"{1.1 * largest / 1e9:.2f} GB, the largest file + 10 %: "
+                         f"{'met' if max(peaks) <= 1.1 * largest else 'missed'})")
+    skipped = [f"{k}: {v['skipped']}" for k, v in entries if "skipped" in v]
     if skipped:
         lines.append("Skipped (memory): " + "; ".join(skipped))
-    starts = {s: [rd[s]["start_s"] for rd in rounds if "start_s" in rd.get(s, {})] for s in ("tito", "vllm")}
-    lines.append("Seconds to healthy: " + "; ".join(f"{s} {spread(v, '{:.0f}')}" for s, v in starts.items() if v))
+    starts: dict[str, list[float]] = {}
+    for k, v in entries:
+        if "start_s" in v:
+            starts.setdefault(k, []).append(v["start_s"])
+    lines.append("Seconds to healthy: " + "; ".join(f"{k} {spread(v, '{:.0f}')}" for k, v in sorted(starts.items())))
+    profiles = [(k, v["profile"]) for k, v in entries if v.get("profile")]
+    for k, path in profiles:
+        lines.append(f"py-spy of {k}'s engine during its timed updates: {path}")
     if res.get("soak"):
         sk = res["soak"]
         a, b = sk["after_rss"], sk["after_anon"]
@@ -366,8 +436,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=None, help="Logs, delta chain, broadcast markers (default: "
                    "/tmp/tito-bench-updates/<model name>).")
     p.add_argument("--systems", default="tito,vllm")
+    p.add_argument("--modes", default="default,eager", help="Engine modes, each a server of its own per system: "
+                   "default (each at its defaults: torch.compile) and eager (--enforce-eager).")
+    p.add_argument("--tito-args", default="", help="More flags for tito, e.g. --tito-args='--delta-copy file'.")
+    p.add_argument("--profile", action="store_true", help="py-spy each server's engine during its timed updates.")
     p.add_argument("--kinds", default="full,delta,broadcast", help="tito's updates: full, delta, broadcast.")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--first-round", type=int, default=0, help="The first round's number (0, 1, ...): odd rounds run "
+                   "the modes and systems in reverse order, so separate runs of one round each alternate too.")
     p.add_argument("--repeat", type=int, default=5, help="Timed updates of each kind per round and system.")
     p.add_argument("--streams", type=int, default=2, help="Clients streaming /v1/completions throughout.")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -407,10 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in a.systems.split(",") if s]
         steps = delta_chain(a.model, a.work, a.repeat + 1, a.fraction) if "tito" in systems and \
             "delta" in a.kinds else []
-        for i in range(a.rounds):
+        for i in range(a.first_round, a.first_round + a.rounds):
             rd: dict[str, Any] = {}
-            for system in (systems if i % 2 == 0 else systems[::-1]):
-                rd[system] = run_system(system, a, steps)
+            for mode in reverse_odd([m for m in a.modes.split(",") if m], i):
+                for system in reverse_odd(systems, i):
+                    rd[f"{system}/{mode}"] = run_system(system, mode, a, steps)
+                    out.write_text(json.dumps({**res, "rounds": [*res["rounds"], rd]}, indent=1))
             res["rounds"].append(rd)
             out.write_text(json.dumps(res, indent=1))
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -3,9 +3,11 @@ that uses it, one at a time, while the tests before it run (``SharedServers``); 
 
 - ``tito``: the default server (no extra flags but ``--grpc-port``). Read-only tests and tests that put back what
   they change.
-- ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound and
-  the worker's test-only fault hook; started while the port's first answers are recorded (``first_answers``). The
-  modules that change weights, pause, abort and broadcast share it and put it back (``restore_server``).
+- ``long_tito``: the tiny model with a 60,096-token context (room for endless requests), a short liveness bound,
+  the worker's test-only fault hook and the staged-delta copy in a memory-mapped file (``--delta-copy file``; the
+  other servers keep it in memory, the default); started while the port's first answers are recorded
+  (``first_answers``). The modules that change weights, pause, abort and broadcast share it and put it back
+  (``restore_server``).
 - ``lora_tito``: LoRA on (rank 8, two adapters) and the opt-in ``--stream-interval 4``, on the tiny model with a
   4,192-token context (``LORA_CONTEXT``).
 - ``vllm_ref``: vLLM's own server on the tiny model, the reference of the compatibility tests: its token API
@@ -25,8 +27,9 @@ that uses it, one at a time, while the tests before it run (``SharedServers``); 
 - ``fuzz_tito``: the admin key alone (the data plane open), LoRA, a 64-token context, 4 sequences, 5 logprobs:
   test_fuzz.py's server.
 - ``prime_tito``: started with the command line Prime-RL's own launcher builds (its defaults for a Qwen3 model:
-  processed logprobs, hermes tool calls, an fp32 LM head), on the tiny *tied* model, served as ``Qwen/Qwen3-0.6B``:
-  test_launchers.py, then test_prime_rl_writer.py (Prime-RL's trainer writer and admin client; updates its weights).
+  processed logprobs, hermes tool calls, an fp32 LM head), on the tiny *tied* model, served as ``Qwen/Qwen3-0.6B``, at
+  tito's engine defaults (compiled, as Prime-RL runs vLLM): test_launchers.py, then test_prime_rl_writer.py (Prime-RL's
+  trainer writer and admin client; updates its weights).
 - ``api2``: Prime-RL's launcher's command line for data parallel 2, from which its config derives
   ``--api-server-count 2`` (two API processes and the control process: app/server/api_processes.py), on the tiny tied
   model, with LoRA, gRPC and KV events added: test_dp.py, then test_api_servers.py, whose SIGTERM test ends it.
@@ -423,7 +426,7 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
         # broadcast's timeout (test_weight_integrity.py); nothing else here depends on it. The exit delay: for
         # test_engine_failure.py's death test, which ends this server (time for its checks after the kill).
         return start_tito(tmp_path_factory, model, "--max-model-len", str(LONG_CONTEXT), "--liveness-timeout", "5",
-                          "--engine-death-exit-delay", "20",
+                          "--engine-death-exit-delay", "20", "--delta-copy", "file",
                           env={"TITO_TEST_FAULT_FILE": str(fault_file(tmp_path_factory))}, name="tito-long",
                           timeout=timeout, on_answer=first_answers)
 
@@ -495,7 +498,10 @@ def _builtin_starts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) 
         argv = [*launcher_argv(port, model), "--num-kv-blocks", "16", "--allowed-weight-root",
                 str(tmp_path_factory.getbasetemp())]
         log = tmp_path_factory.mktemp("logs") / "prime-tito.log"
-        server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, log, env=engine_env(None))
+        # At tito's engine defaults (torch.compile), as Prime-RL runs its inference server: the tied head's updates
+        # (full, broadcast, staged delta: test_prime_rl_writer.py) are checked on the compiled model.
+        server = ServerProcess([sys.executable, "-m", "tito", "serve", *argv], port, log,
+                               env=engine_env({EAGER_ENV: None}))
         server.launch_argv = argv  # type: ignore[attr-defined]
         return server.start(timeout=timeout)
 
@@ -559,8 +565,8 @@ def long_tito(shared_servers: SharedServers) -> ServerProcess:
 @pytest.fixture(scope="module")
 def prime_tito(shared_servers: SharedServers) -> ServerProcess:
     """Prime-RL's launcher's own command line (its defaults for a Qwen3 model: processed logprobs, hermes tool calls,
-    an fp32 LM head) on the tiny tied model, as the seed's Qwen3-0.6B ties its head (test_launchers.py, then
-    test_prime_rl_writer.py, which updates its weights)."""
+    an fp32 LM head) on the tiny tied model, as the seed's Qwen3-0.6B ties its head, at tito's engine defaults
+    (compiled) (test_launchers.py, then test_prime_rl_writer.py, which updates its weights)."""
     return shared_servers.get("prime_tito")
 
 

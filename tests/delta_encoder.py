@@ -85,29 +85,47 @@ def _raw(t: torch.Tensor) -> bytes:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
+def stream_order(name: str) -> tuple[int, int, str]:
+    """Prime's trainer's order: non-layer tensors first, then layer by layer."""
+    parts = name.split(".")
+    if "layers" in parts and parts[parts.index("layers") + 1].isdigit():
+        return (1, int(parts[parts.index("layers") + 1]), name)
+    return (0, 0, name)
+
+
+class StreamWriter:
+    """``delta.stream`` written one tensor at a time (the caller keeps ``stream_order``): a delta of a large model
+    without holding two copies of it."""
+
+    def __init__(self, path: Path, encoding: str = "optimized") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.encoding = encoding
+        self.f.write(struct.pack("<8sI", MAGIC, 2))
+
+    def add(self, name: str, shape: list[int], idx: torch.Tensor, vals: torch.Tensor) -> None:
+        fmt, raw = _encode_idx(idx, self.encoding)
+        self.f.write(struct.pack("<IBBHQQ", len(name.encode()), fmt, CODES[vals.dtype], len(shape), len(raw),
+                                 vals.numel()))
+        self.f.write(name.encode())
+        self.f.write(struct.pack(f"<{len(shape)}Q", *shape))
+        self.f.write(raw)
+        self.f.write(_raw(vals))
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def write_stream(path: Path, base: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
                  encoding: str = "optimized") -> Path:
     """``delta.stream``: non-layer tensors first, then layer by layer (as Prime's trainer writes it)."""
     deltas = changed(base, target)
-
-    def order(name: str) -> tuple[int, int, str]:
-        parts = name.split(".")
-        if "layers" in parts and parts[parts.index("layers") + 1].isdigit():
-            return (1, int(parts[parts.index("layers") + 1]), name)
-        return (0, 0, name)
-
-    with open(path, "wb") as f:
-        f.write(struct.pack("<8sI", MAGIC, 2))
-        for name in sorted(deltas, key=order):
-            idx, vals = deltas[name]
-            fmt, raw = _encode_idx(idx, encoding)
-            shape = list(target[name].shape)
-            f.write(struct.pack("<IBBHQQ", len(name.encode()), fmt, CODES[vals.dtype], len(shape), len(raw),
-                                vals.numel()))
-            f.write(name.encode())
-            f.write(struct.pack(f"<{len(shape)}Q", *shape))
-            f.write(raw)
-            f.write(_raw(vals))
+    w = StreamWriter(path, encoding)
+    try:
+        for name in sorted(deltas, key=stream_order):
+            w.add(name, list(target[name].shape), *deltas[name])
+    finally:
+        w.close()
     return path
 
 
@@ -139,15 +157,17 @@ def perturb(sd: dict[str, torch.Tensor], fraction: float, seed: int, scale: floa
     """A target: a copy of ``sd`` with ``fraction`` of every tensor's elements moved (scattered, like an optimizer step
     on bf16 weights), some by amounts small enough that the values must be widened."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in sorted(sd):
-        t = sd[name].clone()
-        flat = t.reshape(-1)
-        mask = torch.rand(flat.numel(), generator=gen) < fraction
-        step = torch.randn(int(mask.sum()), generator=gen) * scale
-        flat[mask] = (flat[mask].float() + step).to(t.dtype)
-        out[name] = t
-    return out
+    return {name: perturb_tensor(sd[name], fraction, gen, scale) for name in sorted(sd)}
+
+
+def perturb_tensor(t: torch.Tensor, fraction: float, gen: torch.Generator, scale: float = 0.05) -> torch.Tensor:
+    """One tensor of ``perturb``'s target."""
+    t = t.clone()
+    flat = t.reshape(-1)
+    mask = torch.rand(flat.numel(), generator=gen) < fraction
+    step = torch.randn(int(mask.sum()), generator=gen) * scale
+    flat[mask] = (flat[mask].float() + step).to(t.dtype)
+    return t
 
 
 BAD_DELTAS = {  # (base change, target change) that make a delta the model cannot take

@@ -210,8 +210,8 @@ class FakeEngine(WorkerCalls):
 
     # ------------------------------------------------------------------ weights and facts (recorded; no model here)
 
-    async def delta_prepare(self, version: str, files: list[str] | None,
-                            delta: dict[str, str] | None = None) -> list[Any]:
+    async def delta_prepare(self, version: str, files: list[str] | None, delta: dict[str, str] | None = None,
+                            copy_dir: str | None = None) -> list[Any]:
         self.calls.append(("delta_prepare", {"version": version, "files": files, "delta": delta}))
         held = self._delta_version
         if files is None and held != version:

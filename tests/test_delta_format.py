@@ -227,3 +227,42 @@ def test_a_delta_made_ready_is_taken_back_out_bit_for_bit(dtype: torch.dtype) ->
     for name, t in base.items():
         assert torch.equal(c.tensors[name].view(torch.int8), t.view(torch.int8)), name
     assert p.undo == [] and p.prebuilt == {}
+
+
+def test_the_preparation_stops_while_the_host_keeps_its_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta's layers are processed ahead only while the host keeps a margin of its memory (8 %, at least 2 GiB):
+    each holds a second copy of its weights until the commit, and at Qwen3-4B's shape on a 24 GB host all of them
+    pushed the worker out of memory. What is left reloads at commit."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from app.engine import worker_delta
+
+    total = 24 << 30
+    for available, spare in (((24 << 30) // 10, True), (2 << 30, False), (int(0.07 * total), False)):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda a=available: SimpleNamespace(available=a, total=total))
+        assert worker_delta.memory_to_spare() is spare, available
+    # A small host: the 2 GiB floor, not the 8 %.
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 30, total=8 << 30))
+    assert worker_delta.memory_to_spare() is False
+
+
+def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``give_back_memory`` calls glibc's ``malloc_trim`` a moment later, in a thread of its own."""
+    import ctypes
+    import threading
+
+    from app.engine import worker_delta
+
+    called = threading.Event()
+
+    class Libc:
+        def malloc_trim(self, pad: int) -> int:
+            assert pad == 0
+            called.set()
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    worker_delta.give_back_memory(delay=0.0)
+    assert called.wait(10)

@@ -337,8 +337,9 @@ def test_prime_rl_model_check_passes_with_the_guides_start_command(trainer_group
 
 def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_path) -> None:
     """A staged delta of a tied model's state dict changes ``lm_head.weight`` exactly as the embedding: accepted, the
-    head's record dropped, and the committed weights answer as transformers on them; a head record that differs from
-    the embedding's is refused at the stage, naming both."""
+    head's record dropped, made ready before the pause (the embedding written in place at commit, the head's kernel
+    built ahead from the embedding's target: nothing reloaded under the pause), and the committed weights answer as
+    transformers on them; a head record that differs from the embedding's is refused at the stage, naming both."""
 
     from app.tiny.model import DEFAULT_SEED, tiny_state_dict
     from tests.delta_encoder import perturb, write_delta
@@ -355,13 +356,17 @@ def test_tied_model_takes_a_staged_delta_with_the_heads_copy(tied_server, tmp_pa
         d = tmp_path / "step_1"
         write_delta(d / "delta.safetensors", with_head(base), with_head(target))
         r = c.post("/stage", data={"version": "d1", "mode": "delta", "base_version": "base", "path": str(d)})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.json()["ready"] is True, r.text
         assert c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
         try:
             r = c.post("/commit", data={"version": "d1", "mode": "delta"})
             assert r.status_code == 200, r.text
         finally:
             assert c.post("/resume").json() == {"status": "resumed"}
+        w = r.json()["workers"]
+        assert w["prepared"] is True and w["reloaded_groups"] == 0 and w["inplace"] > 0 and w["prebuilt"] > 0, w
+        copies = c.get("/server_info").json()["state"]["staging"]["workers"]
+        assert {x["copy"] for x in copies} == {"memory"}, copies  # the default (long_tito runs --delta-copy file)
         assert greedy(c, PROMPTS, N) == reference_greedy(target, tmp_path / "ref", PROMPTS, N, config=config)
         bad = with_head(target)
         bad["lm_head.weight"][0, 0] += 1.0

@@ -106,6 +106,8 @@ def test_prime_stage_commit_over_every_transport(client: httpx.Client, server: S
     assert status["active_version"] == "4" and status["staged"] == [] and status["weights_dirty"] is False
     info = client.get("/server_info").json()["state"]
     assert info["weight_version"] == "4" and {w["state"] for w in info["staging"]["workers"]} == {"ready"}
+    # The server keeps the copy in a memory-mapped file (--delta-copy file): the chain above ran on it.
+    assert {w["copy"] for w in info["staging"]["workers"]} == {"file"}
     metrics = client.get("/metrics").text
     for transport in prime.TRANSPORTS:
         assert f'tito_stages_total{{mode="delta",outcome="ok",transport="{transport}"}}' in metrics

@@ -208,3 +208,26 @@ def test_a_worker_may_run_vllms_amx_attention_kernel() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"before": False, "asked": True, "after": True}
+
+
+def test_a_tied_head_takes_the_embeddings_new_kernel_after_a_reload() -> None:
+    """vLLM's own tied embedding and LM head on CPU, reloaded in place through vLLM's layerwise reload (in a process
+    of its own: vLLM's distributed state). With vLLM as it is, the head's logits still come from the old weights
+    (its GEMM handle was packed from them); with the fix they come from the new ones, and the head shares the
+    embedding's kernel from the first load on (one packed copy of the matrix, not two)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, engine_env
+
+    out = subprocess.run([sys.executable, "-m", "tests.tied_head_check"], cwd=ROOT, env=engine_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    fixed, unfixed = res["patched"], res["unpatched"]
+    # bf16 logits of 64-term dot products: the old weights are ~40 away, rounding well under 1.
+    assert fixed["from_new"] < 0.5 < fixed["from_old"] and fixed["embedding_new"], fixed
+    assert fixed["shared_at_load"] and fixed["shared"] and fixed["old_kernel_freed"], fixed
+    assert unfixed["from_old"] < 0.5 < unfixed["from_new"] and unfixed["embedding_new"], unfixed
+    assert not unfixed["shared_at_load"] and not unfixed["old_kernel_freed"], unfixed

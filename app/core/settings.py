@@ -121,6 +121,12 @@ class Settings:
                                    "make it ready for its commit (CPU: its layers processed while generating); past "
                                    "it the stage answers `ready: false` and the commit finishes the work under the "
                                    "pause. 0: answer at once.")
+    delta_copy: str = flag(
+        "memory", "Where each worker keeps its copy of the weights a staged delta is added to (the ones its model "
+        "cannot give back: on CPU the linear layers' weights, which processing re-packs and drops, 0.88 GB at "
+        "Qwen3-0.6B's shape, 7.3 GB at 4B's; nothing on CUDA): `memory`, or `file`: a file under --staging-dir, "
+        "memory-mapped (page cache the kernel may drop under memory pressure, at the cost of writing it back; RSS "
+        "counts it while resident, anonymous memory does not).", choices=("memory", "file"))
     stage_timeout: float = flag(600.0, "Seconds a stage's check of a delta, or a commit's apply in the workers, may "
                                 "take: 504 beyond (a commit that timed out leaves the weights inconsistent).")
     # --- security

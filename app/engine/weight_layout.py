@@ -25,25 +25,57 @@ class InPlace:
 
 
 
-def write_inplace(plan: InPlace, hf_idx: Any, target_flat: Any) -> None:
-    """``param[p(i)] = target[i]`` in the parameter's dtype: what loading the target would have put there."""
+def positions(plan: InPlace, hf_idx: Any) -> tuple[Any, Any]:
+    """Where HF elements ``hf_idx`` (sorted int64) sit in the parameter, and which of them this rank holds (the
+    others, held by another tensor-parallel rank, are left out)."""
     import torch
 
-    from app.engine.delta_format import gather, scatter
-
-    if hf_idx.numel() == 0 or plan.hf_start.numel() == 0:
-        return
     j = torch.searchsorted(plan.hf_start, hf_idx, right=True) - 1
     ok = j >= 0
     j = j.clamp(min=0)
     off = hf_idx - plan.hf_start[j]
-    ok &= off < plan.length[j]  # elements another tensor-parallel rank holds are skipped
-    dst = plan.param.data.view(-1)
-    pos = (plan.p_start[j] + off)[ok]
-    scatter(dst, pos, gather(target_flat, hf_idx[ok]).to(dst.dtype))
+    ok &= off < plan.length[j]
+    return (plan.p_start[j] + off)[ok], ok
 
 
-def inplace_ok(module: Any, shared: set[int]) -> bool:
+@dataclass
+class Write:
+    """A delta's changed elements of one in-place tensor, worked out before the pause: the parameter, where they sit
+    in it, and the values they take (the live base plus the delta, in the wider dtype, rounded once: what loading the
+    trainer's target would have put there). The commit only scatters them."""
+
+    name: str
+    param: Any
+    pos: Any  # int64 positions in the parameter's flat view
+    values: Any  # in the parameter's dtype
+
+    def apply(self, into: Any = None) -> None:
+        """Into the live parameter, or ``into`` (a scratch copy of it)."""
+        from app.engine.delta_format import scatter
+
+        if self.pos.numel():
+            scatter((self.param.data if into is None else into).view(-1), self.pos, self.values)
+
+
+def prepare_write(plan: InPlace, rec: Any) -> Write:
+    """The ``Write`` of a delta record on the tensor ``plan`` places, read against the live parameter now (which
+    must not change until it is applied)."""
+    import torch
+
+    from app.engine.delta_format import gather
+
+    if rec.indices.numel() == 0 or plan.hf_start.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return Write(rec.name, plan.param, empty, plan.param.data.new_empty(0))
+    pos, ok = positions(plan, rec.indices)
+    values = rec.values if bool(ok.all()) else rec.values[ok]
+    flat = plan.param.data.view(-1)
+    wide = torch.promote_types(flat.dtype, values.dtype)
+    target = (gather(flat, pos).to(wide) + values.to(wide)).to(flat.dtype)
+    return Write(rec.name, plan.param, pos, target)
+
+
+def inplace_ok(module: Any) -> bool:
     """Whether the kernel reads this module's parameters as loaded, on this platform (vLLM 0.32)."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -58,9 +90,9 @@ def inplace_ok(module: Any, shared: set[int]) -> bool:
             return False
         if cuda:
             return True
-        # CPU: the embedding lookup reads the weight; its packed copy serves only an LM head sharing that weight.
-        return bool(current_platform.is_cpu()) and not isinstance(module, ParallelLMHead) and \
-            id(getattr(module, "weight", None)) not in shared
+        # CPU: the embedding lookup reads the weight; its packed copy serves only an LM head sharing that weight (a
+        # tied head), whose kernel the commit builds again from the new values (worker_delta.py).
+        return bool(current_platform.is_cpu()) and not isinstance(module, ParallelLMHead)
     if isinstance(module, LinearBase):
         return cuda and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
     return False
@@ -86,13 +118,13 @@ def locate(model: Any, name: str, packed: dict[str, list[str]]) -> tuple[Any, st
     return module, pname, shard, f"{mod_path}.{pname}"
 
 
-def layout_plans(model: Any, vllm_config: Any, tensors: dict[str, Any],
-           packed: dict[str, list[str]]) -> tuple[dict[str, InPlace | None], dict[str, tuple[str, str, Any]]]:
+def layout_plans(model: Any, vllm_config: Any, shapes: dict[str, tuple[int, ...]],
+                 packed: dict[str, list[str]]) -> tuple[dict[str, InPlace | None], dict[str, tuple[str, str, Any]]]:
+    """For each HF tensor (name -> shape): its in-place plan (None: its layer reloads), and where it lives."""
     plans: dict[str, InPlace | None] = {}
     where: dict[str, tuple[str, str, Any]] = {}
     quantized = getattr(vllm_config, "quant_config", None) is not None
-    shared = shared_params(model)
-    for name, t in tensors.items():
+    for name, shape in shapes.items():
         plans[name] = None
         found = locate(model, name, packed)
         if found is None:
@@ -100,10 +132,10 @@ def layout_plans(model: Any, vllm_config: Any, tensors: dict[str, Any],
         module, pname, shard, vname = found
         where[name] = (vname.rpartition(".")[0], pname, shard)
         param = module._parameters.get(pname)
-        if quantized or param is None or not param.is_contiguous() or not inplace_ok(module, shared):
+        if quantized or param is None or not param.is_contiguous() or not inplace_ok(module):
             continue
         try:
-            plans[name] = trace_param(param, shard, tuple(t.shape), module)
+            plans[name] = trace_param(param, shard, tuple(shape), module)
         except Exception as e:  # noqa: BLE001 - an unusual loader: that tensor reloads instead
             log.info("delta: %s is reloaded, not written in place (tracing its loader failed: %s)", name, e)
     return plans, where

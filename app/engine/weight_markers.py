@@ -1,12 +1,11 @@
-"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py), the
-helper that lowers the staging process's priority, and the workers' test-only fault hook.
+"""Strings shared by the server (app/weights/updates.py) and vLLM's worker processes (app/engine/worker.py), and the
+workers' test-only fault hook.
 
 Stdlib only.
 """
 
 import logging
 import os
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,26 +17,6 @@ CLIENT_ERROR = "TITO_CLIENT_ERROR: "
 TIMEOUT_ERROR = "TITO_TIMEOUT: "
 # Marker on worker errors raised before the model was touched: such a failed update leaves the old weights intact.
 UNTOUCHED = "TITO_UNTOUCHED: "
-
-BACKGROUND_NICE = 10
-
-
-def lower_priority(idle: bool = False) -> None:
-    """Make the calling thread yield the CPU to generation (Linux: niceness and scheduling policy are per thread).
-    Staged weight work (uploads, checks, the workers' copy of the weights) is background work: on a busy machine it
-    takes longer, the engine does not slow down for it. ``idle``: run only on a CPU generation leaves idle
-    (SCHED_IDLE; a waking engine thread preempts it at once), for the workers' threads that share the engine's
-    process; measured on 2 cores (benchmarks/delta.py), nice 10 there cost generation ~20% while a delta was
-    made ready, nice 19 ~12%, SCHED_IDLE ~5%."""
-    tid = threading.get_native_id()
-    try:
-        if idle and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        pass
-
 
 # ------------------------------------------------------------------------------------------ test-only fault hook
 

@@ -14,7 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 # Shared with app.weights; a stdlib-only module, so the worker's import graph stays small.
+from app.engine import vllm_patches_weights
 from app.engine.vllm_patches import install as install_vllm_patches
+from app.engine.vllm_patches_weights import is_tied_head
 from app.engine.weight_markers import inject_fault
 from app.engine.worker_areal import ArealWorker
 from app.engine.worker_broadcast import BroadcastWorker
@@ -60,26 +62,58 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         ``partial`` (a delta's layers): unfed layers are kept; the caller checks ``not_loaded`` itself."""
         report = watch_reload_log(self.model_runner.get_model())  # type: ignore[attr-defined]
         report.reset(partial)
-        before = self.tito_buffer_digests()
-        ties = tied_parameters(self.model_runner.get_model())  # type: ignore[attr-defined]
+        before = self._tito_digests_before()
+        vllm_patches_weights.last_tie_seconds = 0.0
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         except BaseException:
             self._tito_abandon_reload()
             raise
-        finally:
-            t1 = time.perf_counter()
-            retie(ties)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         if report.failed:
             raise RuntimeError(f"layer(s) failed to load: {'; '.join(report.failed[:8])}")
-        # reload_seconds: vLLM's own reload (reading the tensors included), what tito adds is measured against it;
-        # retie_seconds: the tied head re-processed (on CPU its GEMM weights re-packed, the embedding's size), which
-        # vLLM's own reload skips, leaving the head on the old weights.
+        # reload_seconds: vLLM's reload (reading the tensors included), what tito adds is measured against it;
+        # retie_seconds, inside it: a tied head given the embedding's new kernel (vLLM's own reload leaves the head
+        # on the old weights: fix 8 of app/engine/vllm_patches.py).
+        after = self._tito_digests_after()
         return {"kept": dict(report.kept), "rotary_before": _digest_of(before), "not_loaded": sorted(report.not_loaded),
-                "rotary_after": _digest_of(self.tito_buffer_digests()), "reload_seconds": t1 - t0,
-                "retie_seconds": t2 - t1}
+                "rotary_after": _digest_of(after), "reload_seconds": t1 - t0,
+                "retie_seconds": vllm_patches_weights.last_tie_seconds}
+
+    # The rotary caches as the last digest saw them: (their identities, a copy of each, their digests).
+    _tito_digests: tuple[dict[str, tuple[int, int]], dict[str, Any], dict[str, str]] | None = None
+
+    def _tito_digests_before(self) -> dict[str, str]:
+        """The rotary caches' digests before a reload: the last reload's "after" when each cache is still the same
+        tensor at the same address (nothing between two updates writes them: hashing them again under the pause
+        would only cost time), else computed now."""
+        held = self._tito_digests
+        if held is not None and held[0] == self._tito_buffer_ids():
+            return held[2]
+        return self.tito_buffer_digests()
+
+    def _tito_digests_after(self) -> dict[str, str]:
+        """The digests after a reload: the kept ones when every cache is still bit for bit the copy they were taken
+        from (a compare costs a fraction of a hash: this is under the pause), else hashed again."""
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        bufs = {name: buf for name, buf in model.named_buffers() if "rotary" in name}
+        held = self._tito_digests
+        if held is not None and set(held[1]) == set(bufs) and all(
+                _bits(b).shape == _bits(held[1][n]).shape and bool(torch.equal(_bits(b), _bits(held[1][n])))
+                for n, b in bufs.items()):
+            after = held[2]
+        else:
+            after = self.tito_buffer_digests()
+        self._tito_digests = (self._tito_buffer_ids(), {n: b.detach().clone() for n, b in bufs.items()}
+                              if held is None or after is not held[2] else held[1], after)
+        return after
+
+    def _tito_buffer_ids(self, contains: str = "rotary") -> dict[str, tuple[int, int]]:
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: (id(buf), buf.data_ptr()) for name, buf in model.named_buffers() if contains in name}
 
     def _tito_abandon_reload(self) -> None:
         """After a reload that failed midway, end vLLM's layerwise bookkeeping (``finalize_layerwise_reload``: puts
@@ -106,47 +140,9 @@ class TitoWorkerExtension(BroadcastWorker, DeltaWorker, ArealWorker):
         for name, buf in model.named_buffers():
             if contains in name:
                 t = buf.detach().contiguous().cpu()
-                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                raw = t.reshape(-1).view(torch.uint8).numpy()  # hashed in place, no copy
                 out[name] = f"{t.dtype}:{list(t.shape)}:{hashlib.sha256(raw).hexdigest()}"
         return out
-
-# ------------------------------------------------------------------------------------------ tied parameters
-
-def is_tied_head(module: Any) -> bool:
-    """vLLM's LM head (``ParallelLMHead``: the one layer with ``tie_weights``), the only module a reload re-ties."""
-    return callable(getattr(module, "tie_weights", None))
-
-
-def tied_parameters(model: Any) -> list[tuple[Any, str, Any, str]]:
-    """``(module, name, owner, owner_name)`` for each parameter a module shares with an earlier one (a tied head
-    shares the embedding's)."""
-    first: dict[int, tuple[Any, str]] = {}
-    ties = []
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
-            if id(p) in first and is_tied_head(module):
-                ties.append((module, name, *first[id(p)]))
-            else:
-                first[id(p)] = (module, name)
-    return ties
-
-
-def retie(ties: list[tuple[Any, str, Any, str]]) -> None:
-    """vLLM's layerwise reload puts a tied head's old tensor and its processed form back (the head loads nothing:
-    the checkpoint's copy of it is skipped, as vLLM's loader skips it), so the head would keep serving the old
-    weights (on CPU through the GEMM handle built from them, ``dispatch_cpu_unquantized_gemm``): point it at the
-    embedding's tensor again and process it as a load does."""
-    for module in {id(m): m for m, *_ in ties}.values():
-        for name, p in list(module._parameters.items()):
-            for m, n, owner, owner_name in ties:
-                if m is module and n == name and p is not owner._parameters.get(owner_name):
-                    module._parameters[name] = owner._parameters[owner_name]
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-
 
 # ------------------------------------------------------------------------------------------ reload report
 
@@ -194,6 +190,14 @@ class ReloadReport(logging.Filter):
 
 
 _REPORT: ReloadReport | None = None
+
+
+def _bits(t: Any) -> Any:
+    """A tensor's raw bits as integers of its element size (bitwise equality: no NaN or signed-zero surprises)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(-1).view(ints)
 
 
 def _digest_of(digests: dict[str, str]) -> str:

@@ -122,15 +122,70 @@ class BroadcastWorker:
             raise BroadcastError(f"{UNTOUCHED}{e}") from None
 
         def stream() -> Iterator[tuple[str, Any]]:
-            yield from _skip_buffers(first)
-            first.clear()  # drop the references as vLLM consumes them
-            for i in range(1, n):
-                yield from _skip_buffers(rx.state_dict(i))
+            ahead = _ReceiveAhead(rx, n)  # the next state dict arrives while vLLM loads this one
+            try:
+                yield from _skip_buffers(first)
+                first.clear()  # drop the references as vLLM consumes them
+                for i in range(1, n):
+                    yield from _skip_buffers(ahead.get(i))
+            finally:
+                ahead.stop()
             rx.check_complete()
 
         kept = self._tito_reload(stream())  # type: ignore[attr-defined]
         return {"pid": os.getpid(), "bytes": rx.nbytes, "tensors": len(rx.seen), "state_dicts": n,
                 "seconds": time.perf_counter() - t0, "skipped": sorted(rx.tied_heads), **kept}
+
+
+class _ReceiveAhead:
+    """Receives state dicts 1..n-1 in a thread, one ahead of the loader: the transfer of the next state dict
+    overlaps vLLM's load (and processing) of the current one, as a read of the next file overlaps it on disk. At most
+    two state dicts are held (one loading, the next arriving or arrived); the receiver's own bounded waits still
+    apply, and a failure in the thread reaches the loader at its next state dict."""
+
+    def __init__(self, rx: _Receiver, n: int) -> None:
+        import queue
+        import threading
+
+        self.rx, self.n = rx, n
+        self.out: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
+        self.credit = threading.Semaphore(1)  # receive the next one only once the loader took the last
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tito-bcast-recv", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for i in range(1, self.n):
+            while not self.credit.acquire(timeout=0.5):
+                if self.stopped.is_set():
+                    return
+            if self.stopped.is_set():
+                return
+            try:
+                self.out.put((i, self.rx.state_dict(i), None))
+            except BaseException as e:  # noqa: BLE001 - handed to the loader, which raises it
+                self.out.put((i, None, e))
+                return
+
+    def get(self, i: int) -> list[tuple[str, Any]]:
+        import queue
+
+        try:  # the receive in the thread is bounded by the receiver's limit: this only backs it up
+            got, sd, err = self.out.get(timeout=self.rx.limit + 60.0)
+        except queue.Empty:
+            raise self.rx._fail(BroadcastError(f"{TIMEOUT_ERROR}state dict {i} of the broadcast did not arrive "
+                                               f"within {self.rx.limit:g}s; the group was dropped: call "
+                                               "/init_broadcaster again.")) from None
+        self.credit.release()
+        if err is not None:
+            raise err
+        assert got == i, (got, i)
+        return sd  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        """The loader is done (or failed): the thread stops before its next receive (a receive under way ends with
+        the sender's data, or with the group dropped on a failure)."""
+        self.stopped.set()
 
 
 class _Receiver:
@@ -152,7 +207,6 @@ class _Receiver:
 
     def _tied(self, out: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """Check a tied head's copy against the embedding (the first to arrive waits for the other), drop it."""
-        import torch
 
         for name, t in out:
             if name == self.tied_to:
@@ -161,9 +215,8 @@ class _Receiver:
                 self._heads[name] = t
                 self.tied_heads.add(name)
         if self._emb is not None and self._heads:
-            emb = self._emb.to(torch.float64)
             for head, t in self._heads.items():
-                if not torch.equal(t.to(torch.float64), emb):
+                if not _same(t, self._emb):
                     raise self._fail(ValueError(f"{CLIENT_ERROR}{head!r} differs from {self.tied_to!r}: the model "
                                                 "ties its head to the embedding (tie_word_embeddings), so the head "
                                                 "may come only as a copy of the embedding."))
@@ -231,6 +284,17 @@ class _Receiver:
         if missing:
             raise ValueError(f"{CLIENT_ERROR}broadcast is missing {len(missing)} tensor(s) of the model: "
                              f"{missing[:8]}.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values: bit for bit in one dtype (no widening copy of an embedding-sized tensor), else as float64."""
+    import torch
+
+    if a.dtype == b.dtype and a.shape == b.shape:
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if ints is not None and a.is_contiguous() and b.is_contiguous():
+            return bool(torch.equal(a.view(ints), b.view(ints)))
+    return bool(torch.equal(a.to(torch.float64), b.to(torch.float64)))
 
 
 def _skip_buffers(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -18,12 +18,13 @@ class WorkerCalls:
         """Load validated safetensors files into every worker, in place (vLLM's ``reload_weights``)."""
         return await self.collective_rpc("tito_load_checkpoint", kwargs={"files": files, "skip": skip})
 
-    async def delta_prepare(self, version: str, files: list[str] | None,
-                            delta: dict[str, str] | None = None) -> list[Any]:
+    async def delta_prepare(self, version: str, files: list[str] | None, delta: dict[str, str] | None = None,
+                            copy_dir: str | None = None) -> list[Any]:
         """Every worker makes sure its host copy of the weights holds ``version`` (fills it from ``files`` in the
-        background if not; app/engine/worker_delta.py). Returns each worker's copy status at once."""
+        background if not, in memory or, with ``copy_dir``, in a memory-mapped file there; app/engine/worker_delta.py).
+        Returns each worker's copy status at once."""
         return await self.collective_rpc("tito_delta_prepare", kwargs={"version": version, "files": files,
-                                                                       "delta": delta})
+                                                                       "delta": delta, "copy_dir": copy_dir})
 
     async def delta_status(self) -> list[Any]:
         """Each worker's host copy: version, state (empty, filling, ready, error), size."""

@@ -15,7 +15,9 @@ is nearly as long as a full update. Here that work moves out of the pause:
 
 The result is what vLLM's reload would have produced from the same target weights (the tests compare it with a fresh
 engine and with transformers). Taken for unquantized linear layers and an untied LM head on CPU; everything else keeps
-the reload path, and on CUDA linear layers are written in place (worker_delta.py).
+the reload path, and on CUDA linear layers are written in place (worker_delta.py). An embedding a tied LM head
+multiplies with is written in place at commit; its kernel (the packed copy the head uses) is built here the same way,
+from the embedding's target, and only the kernel is swapped in.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ class Prebuilt:
     params: dict[str, Any]
     buffers: dict[str, Any]
     attrs: dict[str, Any]
+    storage: dict[str, Any] = field(default_factory=dict)  # parameter name -> its new values, swapped in whole
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values()])
+        return sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values(),
+                                                           *self.storage.values()])
 
 
 @dataclass
@@ -65,7 +69,7 @@ class Pending:
     error: str | None = None
     cancelled: bool = False
     undo: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, indices, old values), in applied order
-    inplace: list[tuple[str, Any]] = field(default_factory=list)  # (HF name, changed indices) written at commit
+    inplace: list[Any] = field(default_factory=list)  # weight_layout.Write: in-place elements, scattered at commit
     prebuilt: dict[str, Prebuilt] = field(default_factory=dict)  # module path -> its processed state
     reload: set[str] = field(default_factory=set)  # touched HF names that still reload under the pause
     tensors: int = 0
@@ -95,6 +99,30 @@ def prebuild_ok(module: Any, shared: set[int], quantized: bool) -> bool:
     if isinstance(module, LinearBase):
         return isinstance(module.quant_method, UnquantizedLinearMethod)
     return isinstance(module, ParallelLMHead) and method == "UnquantizedEmbeddingMethod"
+
+
+def kernel_of(module: Any) -> bool:
+    """Whether processing gave the module a GEMM kernel of its own (on CPU, ``dispatch_cpu_unquantized_gemm``)."""
+    from app.engine.vllm_patches_weights import KERNEL_ATTRS
+
+    return all(hasattr(module, a) for a in KERNEL_ATTRS)
+
+
+def build_kernel(layer: Any, weights: dict[str, Any]) -> Prebuilt:
+    """Run vLLM's processing on a shadow of ``layer`` holding ``weights`` (parameter name -> the whole target, in the
+    layer's own layout): the kernel attributes processing sets, and the target itself, which the commit swaps in as
+    the parameter's storage (on CPU, where nothing holds its address: one pointer, not a copy under the pause)."""
+    import torch
+
+    before = dict(layer.__dict__)
+    shadow = copy.copy(layer)
+    shadow._parameters = dict(layer._parameters)
+    for name, t in weights.items():
+        shadow._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    with torch.no_grad():
+        shadow.quant_method.process_weights_after_loading(shadow)
+    attrs = {k: v for k, v in shadow.__dict__.items() if k not in _MODULE_SLOTS and before.get(k, _MISSING) is not v}
+    return Prebuilt(layer, {}, {}, attrs, dict(weights))
 
 
 def _fresh(meta: Any, shadow: Any) -> Any:
@@ -186,6 +214,8 @@ def swap_in(p: Prebuilt) -> None:
     import torch
 
     with torch.no_grad():
+        for name, t in p.storage.items():
+            p.layer._parameters[name].data = t
         for name, t in p.params.items():
             p.layer._parameters[name].data.copy_(t)
         for name, t in p.buffers.items():
@@ -194,11 +224,13 @@ def swap_in(p: Prebuilt) -> None:
         setattr(p.layer, k, v)
 
 
-def timed_build(path: str, layer: Any, feeds: list[tuple[str, Any, Any]]) -> Prebuilt | None:
-    """``build``, or None (with the reason in the log) when the layer keeps the reload path."""
+def timed_build(path: str, layer: Any, feeds: list[tuple[str, Any, Any]],
+                weights: dict[str, Any] | None = None) -> Prebuilt | None:
+    """``build`` (``weights``: ``build_kernel``), or None (with the reason in the log) when the layer keeps the
+    reload path."""
     t0 = time.perf_counter()
     try:
-        out = build(layer, feeds)
+        out = build_kernel(layer, weights) if weights is not None else build(layer, feeds)
     except NotPrebuildable as e:
         log.info("delta: %s reloads at commit (%s)", path, e)
         return None

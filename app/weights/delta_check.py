@@ -1,9 +1,10 @@
 """A staged delta read, checked against the active weights and written in tito's prepared form (``prepare_delta``),
-in a low-priority process of its own (``in_process``).
+in a process of its own (``in_process``).
 
 Reading and checking a delta is CPU work in Python and numpy. In a thread it would hold the GIL the event loop (and so
-every token stream) needs, and a low-priority thread holding the GIL stalls the loop for as long as the kernel keeps
-it waiting: a priority inversion.
+every token stream) needs. The process runs at the engine's priority: the stage answers only once the delta is
+checked (and the workers have it ready), and at a lower priority a busy engine starved it (at nice 10, 3-19 s for a
+60 MB delta while two streams generated on two cores, against well under a second idle).
 """
 
 from __future__ import annotations
@@ -18,27 +19,18 @@ from typing import Any
 
 from app.core.protocol import ApiError
 from app.engine.delta_format import DeltaFormatError, DeltaRecord, StreamWriter, check_against, iter_delta
-from app.engine.weight_markers import lower_priority
 from app.weights.tied import tied_heads
 from app.weights.updates import TensorInfo, is_buffer
 
 _PROCESS: ProcessPoolExecutor | None = None  # started on first use
 
 
-def _process_start() -> None:
-    """The staging process: its imports (this module's, torch among them: the process imports this module to find
-    this function) at normal priority, then low priority for the work (a low-priority start-up on a busy machine took
-    a minute)."""
-    lower_priority()
-
-
 async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
-    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the low-priority staging process; past
+    """Run ``fn(*args)`` (a module-level function, picklable arguments) in the staging process; past
     ``timeout`` seconds the process is killed (the next call starts another) and the caller gets a 504."""
     global _PROCESS
     if _PROCESS is None:
-        _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_process_start)
+        _PROCESS = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     pool = _PROCESS
     try:
         return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, fn, *args), timeout)
@@ -54,8 +46,8 @@ async def in_process(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
 
 def stop_process() -> None:
     """At shutdown, the staging process is killed, not joined: it holds nothing to keep (a stage in flight fails with
-    the server), and at nice 19 on a busy machine it took longer to leave than the server waits for its exit handlers
-    (it outlived the server)."""
+    the server), and on a busy machine it took longer to leave than the server waits for its exit handlers (it
+    outlived the server)."""
     global _PROCESS
     pool, _PROCESS = _PROCESS, None
     if pool is not None:

@@ -5,7 +5,7 @@ generates; the pause only commits.
   after ``/reload_weights``; tito's own label ``default`` is accepted for it too), else tito's weight version. A delta
   must name it as ``base_version``; ``dirty`` is tito's "weights inconsistent" state. One entry per staged version
   (staging it again replaces it), at most ``--max-staged-versions`` (the oldest is dropped).
-- **Stage** (any transport): a delta is read record by record (in a low-priority process of its own), checked
+- **Stage** (any transport): a delta is read record by record (in a process of its own), checked
   against the active weights' names, shapes and dtypes (a bad one is a 400 here, never at commit) and written in
   tito's prepared form (sorted int64 indices) under the staging directory; the workers start filling their host copy
   of the active weights.
@@ -310,7 +310,8 @@ class StagingManager:
         """Have the workers' host copy hold ``version`` (filled in the background while generation goes on), and
         ``delta`` ({"path", "version"}) made ready for its commit on top of it."""
         try:  # answers at once (the copy fills in a worker thread): a bounded wait
-            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files, delta),
+            copy_dir = str(self.root / "copies") if self.settings.delta_copy == "file" else None
+            self.workers = await asyncio.wait_for(self.engine.delta_prepare(version, files, delta, copy_dir),
                                                   WORKER_RPC_TIMEOUT)
         except TimeoutError:
             raise ApiError(504, f"the workers did not answer within {WORKER_RPC_TIMEOUT:g}s (preparing their copy "
