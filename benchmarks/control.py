@@ -13,6 +13,7 @@ token per engine step), sent by this process beside the probes.
 
     python -m benchmarks control                       # tito and vllm, 256 streams, 30 s of probes per phase
     python -m benchmarks control --systems tito --streams 64 --seconds 10
+    python -m benchmarks control --api-server-count 2  # both servers with two API processes
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from benchmarks.clients import GEN_PATH, Workload, load_cmd
 from benchmarks.report import pct
-from benchmarks.servers import MAX_MODEL_LEN, ROOT, default_model, kill_group, start
+from benchmarks.servers import MAX_MODEL_LEN, ROOT, default_model, kill_group, start, vllm_serve_cmd
 
 PROBES = ("pause_keep", "pause_abort", "is_paused", "health")
 SYSTEMS = ("tito", "vllm")
@@ -187,10 +188,13 @@ def run_system(system: str, model: str, ns: argparse.Namespace, out: Path) -> di
 
     port = free_port()
     env = engine_env()
+    n = ["--api-server-count", str(ns.api_server_count)]
     if system == "tito":
-        cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN))
+        cmd = tito_cmd(model, port, "--max-model-len", str(MAX_MODEL_LEN), *n)
     else:
         cmd = vllm_cmd(model, port)
+        if ns.api_server_count > 1:  # vLLM's serve command, not the module: only it runs several API processes
+            cmd = vllm_serve_cmd(cmd[3:], *n)
         env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /pause, /resume, /is_paused only in dev mode
     server = start(cmd, port, out / f"bench-control-{system}.log", env)
     load = None
@@ -223,6 +227,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seconds", type=float, default=30.0, help="Probe time, idle and loaded each (default 30).")
     p.add_argument("--model", default=None)
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API processes of both servers (tito's control plane then runs in its control process).")
     p.add_argument("--out", default="results")
     return p
 
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     model = default_model(ns.model)
     results = {s: run_system(s, model, ns, out) for s in systems}
     doc = {"date": time.strftime("%Y-%m-%d"), "streams": ns.streams, "max_tokens": ns.max_tokens,
-           "seconds": ns.seconds, "cpus": os.cpu_count(), "systems": results}
+           "seconds": ns.seconds, "cpus": os.cpu_count(), "api_server_count": ns.api_server_count,
+           "systems": results}
     (out / "bench-control.json").write_text(json.dumps(doc, indent=2))
     print_table(doc)
     failed = sum(r[ph]["failed"] for r in results.values() for ph in ("idle", "loaded"))

