@@ -231,9 +231,11 @@ def test_a_delta_made_ready_is_taken_back_out_bit_for_bit(dtype: torch.dtype) ->
 
 
 def test_the_preparation_stops_while_the_host_keeps_its_margin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A delta's layers are processed ahead only while the host keeps a margin of its memory (8 %, at least 2 GiB):
-    each holds a second copy of its weights until the commit, and at Qwen3-4B's shape on a 24 GB host all of them
-    pushed the worker out of memory. What is left reloads at commit."""
+    """A delta's layers are processed ahead only while the host keeps a margin of room for anonymous memory (8 %, at
+    least 2 GiB): each holds a second copy of its weights until the commit, and at Qwen3-4B's shape on a 24 GB host all
+    of them pushed the worker out of memory. The room is the host's memory less what anonymous memory and the kernel
+    hold, not MemAvailable: the page cache (the checkpoint's files, a ``--delta-copy file`` mapping) is no room for
+    anonymous memory, and with MemAvailable as the measure the worker was killed at 23 of 24 GB anonymous."""
     from types import SimpleNamespace
 
     import psutil
@@ -241,12 +243,21 @@ def test_the_preparation_stops_while_the_host_keeps_its_margin(monkeypatch: pyte
     from app.engine import delta_copy
 
     total = 24 << 30
-    for available, spare in (((24 << 30) // 10, True), (2 << 30, False), (int(0.07 * total), False)):
-        monkeypatch.setattr(psutil, "virtual_memory", lambda a=available: SimpleNamespace(available=a, total=total))
-        assert delta_copy.memory_to_spare() is spare, available
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=total // 2, total=total))
+    for anon, spare in (((24 << 30) * 8 // 10, True), (total - (2 << 30), False), (int(0.93 * total), False)):
+        # A page cache of 12 GB that MemAvailable would count: it makes no room here.
+        info = {"MemTotal": total, "MemAvailable": total - anon + (12 << 30), "AnonPages": anon, "Shmem": 0,
+                "SUnreclaim": 0, "PageTables": 0, "KernelStack": 0, "Unevictable": 0}
+        monkeypatch.setattr(delta_copy, "meminfo", lambda i=info: i)
+        assert delta_copy.available_bytes() == total - anon
+        assert delta_copy.memory_to_spare() is spare, anon
     # A small host: the 2 GiB floor, not the 8 %.
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 30, total=8 << 30))
+    monkeypatch.setattr(delta_copy, "meminfo", lambda: {"MemTotal": 8 << 30, "AnonPages": 7 << 30})
     assert delta_copy.memory_to_spare() is False
+    # This host's own /proc/meminfo is read.
+    monkeypatch.undo()
+    assert 0 < delta_copy.available_bytes() <= psutil.virtual_memory().total
 
 
 def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,16 +151,41 @@ def map_copy(c: DeltaCache, copy_dir: str, specs: dict[str, tuple[tuple[int, ...
     return {n: flat[off:off + size].view(dtype).view(shape) for n, (off, size, shape, dtype) in layout.items()}
 
 
-def available_bytes() -> int:
-    """Memory the system can still give (``MemAvailable``)."""
-    import psutil
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty off Linux)."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            out[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return out
 
-    return int(psutil.virtual_memory().available)
+
+def available_bytes() -> int:
+    """Memory that new anonymous allocations (the tensors a delta's preparation builds) can still take: the host's
+    memory less what anonymous and shared memory, the kernel's unreclaimable slabs and page tables already hold.
+    Not ``MemAvailable``: it counts the page cache as free, and the page cache here is the checkpoint's files and
+    the ``--delta-copy file`` mapping, which the kernel can drop or write back but which do not make room for anonymous
+    memory fast enough. At Qwen3-4B's shape, MemAvailable kept a margin while the worker's anonymous memory reached
+    23 of 24 GB and the kernel killed it."""
+    m = meminfo()
+    if "MemTotal" not in m or "AnonPages" not in m:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    held = sum(m.get(k, 0) for k in ("AnonPages", "Shmem", "SUnreclaim", "PageTables", "KernelStack", "Unevictable"))
+    return max(0, m["MemTotal"] - held)
 
 
 def memory_to_spare(floor: float = 0.08, at_least: int = 2 << 30) -> bool:
     """Whether preparing one more layer ahead leaves the host a margin (``floor`` of its memory, at least
-    ``at_least`` bytes): a delta's preparation must never be what pushes the engine out of memory."""
+    ``at_least`` bytes) of room for anonymous memory: a delta's preparation must never be what pushes the engine
+    out of memory."""
     import psutil
 
     return available_bytes() > max(at_least, floor * psutil.virtual_memory().total)
