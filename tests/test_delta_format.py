@@ -251,6 +251,9 @@ def test_the_preparation_stops_while_the_host_keeps_its_margin(monkeypatch: pyte
         monkeypatch.setattr(delta_copy, "meminfo", lambda i=info: i)
         assert delta_copy.available_bytes() == total - anon
         assert delta_copy.memory_to_spare() is spare, anon
+    # What the next layer is about to take counts: 4.8 GiB of room, less 3 GiB, leaves less than the margin.
+    monkeypatch.setattr(delta_copy, "meminfo", lambda: {"MemTotal": total, "AnonPages": total * 8 // 10})
+    assert delta_copy.memory_to_spare(1 << 30) is True and delta_copy.memory_to_spare(3 << 30) is False
     # A small host: the 2 GiB floor, not the 8 %.
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 30, total=8 << 30))
     monkeypatch.setattr(delta_copy, "meminfo", lambda: {"MemTotal": 8 << 30, "AnonPages": 7 << 30})

@@ -182,13 +182,13 @@ def available_bytes() -> int:
     return max(0, m["MemTotal"] - held)
 
 
-def memory_to_spare(floor: float = 0.08, at_least: int = 2 << 30) -> bool:
-    """Whether preparing one more layer ahead leaves the host a margin (``floor`` of its memory, at least
-    ``at_least`` bytes) of room for anonymous memory: a delta's preparation must never be what pushes the engine
-    out of memory."""
+def memory_to_spare(need: int = 0, floor: float = 0.08, at_least: int = 2 << 30) -> bool:
+    """Whether allocating ``need`` more bytes (one more layer processed ahead: its weights, the processing's scratch
+    and the packed result) leaves the host a margin (``floor`` of its memory, at least ``at_least`` bytes) of room for
+    anonymous memory: a delta's preparation must never be what pushes the engine out of memory."""
     import psutil
 
-    return available_bytes() > max(at_least, floor * psutil.virtual_memory().total)
+    return available_bytes() - need > max(at_least, floor * psutil.virtual_memory().total)
 
 
 def give_back_memory(delay: float = 1.0) -> None:

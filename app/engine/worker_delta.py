@@ -228,10 +228,12 @@ class DeltaWorker:
             for module_path in sorted({c.where[n][0] for n in touched if n in c.where}):
                 if p.cancelled:
                     break
-                if not memory_to_spare():
-                    # Each layer processed ahead holds a second (packed) copy of its weights until the commit: the
-                    # rest reload under the pause rather than the worker running out of memory (at Qwen3-4B's
-                    # shape on a 24 GB host all of them would not fit beside the served ones).
+                feeds = [(c.where[n][1], c.where[n][2], c.tensors[n]) for n in members[module_path]]
+                if not memory_to_spare(3 * sum(t.numel() * t.element_size() for _, _, t in feeds)):
+                    # Each layer processed ahead holds a second (packed) copy of its weights until the commit, and
+                    # its processing a scratch one for a moment: the rest reload under the pause rather than the
+                    # worker running out of memory (at Qwen3-4B's shape on a 24 GB host all of them would not fit
+                    # beside the served ones).
                     log.warning("delta %s: %d layers processed ahead, then the host's memory ran short (%.1f GB "
                                 "available): the other touched layers reload at commit", p.version,
                                 len(p.prebuilt), available_bytes() / 1e9)
@@ -239,7 +241,6 @@ class DeltaWorker:
                 module = model.get_submodule(module_path)
                 if not prebuild_ok(module, shared, quantized):
                     continue
-                feeds = [(c.where[n][1], c.where[n][2], c.tensors[n]) for n in members[module_path]]
                 built = timed_build(module_path, module, feeds)
                 if built is not None:
                     p.prebuilt[module_path] = built
@@ -269,7 +270,8 @@ class DeltaWorker:
         for w in writes:
             module_path, pname, _ = c.where[w.name]
             module = model.get_submodule(module_path)
-            if id(module._parameters.get(pname)) not in shared or not kernel_of(module) or not memory_to_spare():
+            if (id(module._parameters.get(pname)) not in shared or not kernel_of(module)
+                    or not memory_to_spare(3 * w.param.numel() * w.param.element_size())):
                 continue
             target = w.param.detach().clone()
             w.apply(into=target)
