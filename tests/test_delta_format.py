@@ -5,6 +5,7 @@ decoder must refuse with a message naming the tensor. No engine."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -281,3 +282,43 @@ def test_the_preparation_gives_freed_memory_back(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
     delta_copy.give_back_memory(delay=0.0)
     assert called.wait(10)
+
+
+def test_where_hf_elements_land_is_the_same_read_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trace_param`` reads the traced copy a chunk at a time (whole-tensor temporaries of a 4B model's tied
+    embedding took ~10 GB of the worker): runs that cross a chunk's edge are joined, and every layout comes out as
+    read whole. The loaders here place an HF tensor as vLLM's do: rows into a padded vocabulary, a shard into its
+    slot of a fused parameter, a transpose (runs of one element)."""
+    from app.engine import weight_layout
+
+    def padded_rows(param: torch.Tensor, w: torch.Tensor) -> None:
+        param.data[: w.shape[0]].copy_(w)
+        param.data[w.shape[0]:] = 0
+
+    def fused_slot(param: torch.Tensor, w: torch.Tensor, shard: int) -> None:
+        param.data[shard * w.shape[0]:(shard + 1) * w.shape[0]].copy_(w)
+
+    def transposed(param: torch.Tensor, w: torch.Tensor) -> None:
+        param.data.copy_(w.t())
+
+    cases = [((37, 6), (40, 6), padded_rows, None), ((5, 9), (15, 9), fused_slot, 1),
+             ((7, 4), (4, 7), transposed, None)]
+    for hf_shape, p_shape, loader, shard in cases:
+        param = torch.nn.Parameter(torch.zeros(p_shape), requires_grad=False)
+        param.weight_loader = loader  # type: ignore[attr-defined]
+        monkeypatch.setattr(weight_layout, "TRACE_CHUNK", 1 << 24)
+        whole = weight_layout.trace_param(param, shard, hf_shape)
+        for chunk in (1, 3, 7, 64):
+            monkeypatch.setattr(weight_layout, "TRACE_CHUNK", chunk)
+            got = weight_layout.trace_param(param, shard, hf_shape)
+            assert whole is not None and got is not None
+            for field in ("hf_start", "p_start", "length"):
+                assert torch.equal(getattr(got, field), getattr(whole, field)), (loader.__name__, chunk, field)
+        # And the runs say where each HF element is: placing 1..n through them gives what the loader gave.
+        target = torch.zeros(p_shape)
+        loader(target, torch.arange(1, math.prod(hf_shape) + 1, dtype=torch.float32).view(hf_shape),
+               *(() if shard is None else (shard,)))
+        rebuilt = torch.zeros(p_shape).view(-1)
+        for h, p, n in zip(whole.hf_start.tolist(), whole.p_start.tolist(), whole.length.tolist(), strict=True):
+            rebuilt[p:p + n] = torch.arange(h + 1, h + n + 1, dtype=torch.float32)
+        assert torch.equal(rebuilt.view(p_shape), target), loader.__name__

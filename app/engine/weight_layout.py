@@ -167,6 +167,40 @@ def shared_params(model: Any) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
+TRACE_CHUNK = 1 << 24  # elements of the traced copy read at a time
+
+
+def _runs(flat: Any) -> tuple[Any, Any, Any]:
+    """The runs of consecutive HF elements (``flat[p] = hf + 1``, 0 or less: no HF element) in parameter order:
+    their HF start, parameter start and length. Read ``TRACE_CHUNK`` elements at a time: at a tied embedding's size
+    (Qwen3-4B: 389 M elements) whole-tensor int64 temporaries took ~10 GB of the worker's memory beside the model."""
+    import torch
+
+    hf_starts, p_starts, counts = [], [], []
+    seen, last_hf, last_p = 0, -2, -2
+    for base in range(0, flat.numel(), TRACE_CHUNK):
+        chunk = flat[base:base + TRACE_CHUNK]
+        pos = torch.nonzero(chunk > 0).view(-1)
+        if pos.numel() == 0:
+            continue
+        hf = chunk[pos].to(torch.int64) - 1
+        pos += base
+        brk = torch.ones(pos.numel(), dtype=torch.bool)
+        brk[1:] = (torch.diff(hf) != 1) | (torch.diff(pos) != 1)
+        brk[0] = not (int(hf[0]) == last_hf + 1 and int(pos[0]) == last_p + 1)  # the previous chunk's run goes on
+        starts = torch.nonzero(brk).view(-1)
+        hf_starts.append(hf[starts])
+        p_starts.append(pos[starts])
+        counts.append(starts + seen)
+        seen += pos.numel()
+        last_hf, last_p = int(hf[-1]), int(pos[-1])
+    if not counts:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty, empty
+    at = torch.cat(counts)
+    return torch.cat(hf_starts), torch.cat(p_starts), torch.diff(at, append=torch.tensor([seen]))
+
+
 def trace_param(param: Any, shard: Any, hf_shape: tuple[int, ...], module: Any = None) -> InPlace | None:
     """Run the parameter's own weight loader on an index tensor (HF element i holds i+1; 0 is what loaders fill
     padding with) into a scratch copy of the parameter (same class and attributes: vLLM's v2 loaders call methods
@@ -187,18 +221,11 @@ def trace_param(param: Any, shard: Any, hf_shape: tuple[int, ...], module: Any =
 
         loader = default_weight_loader
     loader(scratch, marker) if shard is None else loader(scratch, marker, shard)
-    scratch = scratch.data
-    flat = scratch.view(-1)
-    pos = torch.nonzero(flat > 0).view(-1)
-    hf = flat[pos].to(torch.int64) - 1
-    if pos.numel() == 0:
+    del marker
+    hf_start, p_start, length = _runs(scratch.data.view(-1))
+    if hf_start.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int64)
         return InPlace(param, empty, empty, empty)
-    brk = torch.ones(pos.numel(), dtype=torch.bool)
-    brk[1:] = (torch.diff(hf) != 1) | (torch.diff(pos) != 1)
-    starts = torch.nonzero(brk).view(-1)
-    length = torch.diff(starts, append=torch.tensor([pos.numel()]))
-    hf_start, p_start = hf[starts], pos[starts]
     order = torch.argsort(hf_start)
     hf_start, p_start, length = hf_start[order], p_start[order], length[order]
     if bool((hf_start[1:] < hf_start[:-1] + length[:-1]).any()):
