@@ -149,8 +149,24 @@ class Server:
             "weight_dir": str(self.model), "weight_version": f"full-{self.n}"}), size)
 
 
-def tito_deltas(s: Server, steps: list[Path], base: str) -> list[dict[str, Any]]:
-    """Stage (by path, while generating) and commit each delta of the chain; the first is marked, not timed."""
+def wait_ready(s: Server, version: str, t0: float, wait: float) -> float | None:
+    """Seconds from the stage to every worker holding ``version`` ready (``/weight_status``), waiting at most ``wait``
+    seconds after the stage answered not ready (a trainer whose step outlasts the preparation); None: not ready."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        workers = s.client.get("/weight_status").json().get("workers") or []
+        pend = [w.get("pending") or {} for w in workers]
+        if pend and all(p.get("version") == version and p.get("state") == "ready" for p in pend):
+            return time.monotonic() - t0
+        if any(p.get("state") == "error" for p in pend):
+            return None
+        time.sleep(0.5)
+    return None
+
+
+def tito_deltas(s: Server, steps: list[Path], base: str, stage_wait: float = 0.0) -> list[dict[str, Any]]:
+    """Stage (by path, while generating) and commit each delta of the chain; the first is marked, not timed.
+    ``stage_wait``: how long to wait for the workers to have a stage ready before its commit (0: commit at once)."""
     rows = []
     for k, d in enumerate(steps):
         version = f"delta-{s.n}-{k}"
@@ -158,11 +174,12 @@ def tito_deltas(s: Server, steps: list[Path], base: str) -> list[dict[str, Any]]
         t0 = time.monotonic()
         staged = s.post("/stage", data={"version": version, "mode": "delta", "base_version": base, "path": str(d)})
         t1 = time.monotonic()
+        ready_s = (t1 - t0) if staged.get("ready") else wait_ready(s, version, t0, stage_wait)
         # Generation while the stage is checked and made ready, against the 3 s before (tokens the streams got).
         rate = s.streams.rate(t0, t1) / max(s.streams.rate(t0 - 3.0, t0), 1e-9)
         row = s.update("delta", lambda v=version: s.post("/commit", data={"version": v, "mode": "delta"}),
                        (d / "delta.stream").stat().st_size)
-        row.update(first=k == 0, stage_s=t1 - t0, ready=staged.get("ready"), staging_rate=rate)
+        row.update(first=k == 0, stage_s=t1 - t0, ready=staged.get("ready"), staging_rate=rate, ready_s=ready_s)
         rows.append(row)
         base = version
     s.n += 1
@@ -299,7 +316,7 @@ def run_system(system: str, mode: str, a: argparse.Namespace, steps: list[Path])
             if system == "vllm" or "full" in a.kinds:
                 out["rows"] += [s.full() for _ in range(a.repeat)]
             if system == "tito" and "delta" in a.kinds:
-                out["rows"] += tito_deltas(s, steps, f"full-{s.n}")
+                out["rows"] += tito_deltas(s, steps, f"full-{s.n}", a.stage_wait)
             if system == "tito" and "broadcast" in a.kinds:
                 out["rows"] += tito_broadcasts(s, a.repeat)
         if a.profile:
@@ -343,6 +360,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=2, help="Clients streaming /v1/completions throughout.")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--fraction", type=float, default=0.02, help="Share of elements a delta step changes.")
+    p.add_argument("--stage-wait", type=float, default=0.0,
+                   help="Seconds to wait for a stage the workers have not made ready when /stage answers, before its "
+                        "commit (a trainer whose step outlasts the preparation); 0: commit at once.")
     p.add_argument("--soak", type=int, default=0, help="Instead: N full updates on tito, memory after each.")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--sender", type=int, default=None, help=argparse.SUPPRESS)

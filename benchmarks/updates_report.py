@@ -49,6 +49,12 @@ def report(res: dict[str, Any]) -> str:
                          f"ready for its commit in {sum(bool(r['ready']) for r in ds)} of {len(ds)}; generation "
                          f"while staging, against the 3 s before: "
                          f"{spread([r['staging_rate'] for r in ds if 'staging_rate' in r])}")
+            waited = [r for r in ds if not r["ready"] and "ready_s" in r]
+            if waited:
+                got = [r["ready_s"] for r in waited if r["ready_s"] is not None]
+                lines.append(f"Staged deltas ({mode}) not ready when the stage answered: ready {len(got)} of "
+                             f"{len(waited)} before the commit (--stage-wait), "
+                             f"{spread(got) if got else '-'} s after the stage was sent")
         bs = [r["sender_cpu_s"] for r in here if r["kind"] == "broadcast" and "sender_cpu_s" in r]
         if bs:
             lines.append(f"Broadcasts ({mode}): the trainer process's CPU over each (it shares the machine's cores): "
