@@ -132,13 +132,13 @@ def map_copy(c: DeltaCache, copy_dir: str, specs: dict[str, tuple[tuple[int, ...
     as long as the mapping: nothing is left behind, whatever ends the process)."""
     import torch
 
-    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
+    from app.engine.delta_format import TAG_DTYPES
+
+    names = {**TAG_DTYPES, "BOOL": torch.bool}
     layout, total = {}, 0
     for name, (shape, dt) in specs.items():
         dtype = names[dt]
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         layout[name] = (total, size, shape, dtype)
         total += (size + 63) // 64 * 64
     Path(copy_dir).mkdir(parents=True, exist_ok=True)
